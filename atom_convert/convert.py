@@ -1,0 +1,213 @@
+"""The conversion driver.
+
+How it works:
+1. Index the source lazily (headers only) and read config.json into a ModelSpec.
+2. Detect the source format; the architecture's loader checks every tensor and
+   plans every output (name, dtype, shape, sources) before any data is read.
+3. Assign outputs to size-bounded shards per rank, in load order.
+4. Stream: one group (a decoder layer) at a time, every rank's outputs are
+   produced and appended to that rank's open shard. Nothing else is held.
+5. Copy config/tokenizer files, write the MTP set's manifest, then the main
+   manifest last, then rename the temporary directory to DST.
+Any failure removes the temporary directory; DST is never half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from tqdm import tqdm
+
+from . import loaders, quant
+from .errors import BadInputError, DestinationExistsError
+from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
+from .model import ModelSpec
+from .plan import ConversionPlan, ModelPlan, ShardPlan, assign_shards
+from .profile import get_profile
+from .quant.formats import TARGETS
+from .source import SourceCheckpoint
+from .writer import ShardSetWriter, WrittenFile
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+MTP_DIR = "mtp"
+
+# Files copied from SRC beside the shards (whatever of them exists).
+COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+              "chat_template.jinja", "tiktoken.model")
+COPY_SUFFIXES = (".tiktoken",)
+
+
+@dataclass
+class SetLayout:
+    """One converted set (main or MTP): its plan and each rank's shards."""
+
+    plan: ModelPlan
+    shards: list[list[ShardPlan]]
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, 1000 -> 1000."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+             "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4, "K": 1000, "M": 1000**2, "G": 1000**3, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * m)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise BadInputError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB") from None
+
+
+def make_plan(src: SourceCheckpoint, *, target: str = "gfx950", tp: int = 1, mtp: bool = True,
+              profile: str = "atom") -> ConversionPlan:
+    if target not in TARGETS:
+        raise BadInputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
+    fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
+    loader = loaders.get_loader(spec)
+    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp)
+
+
+def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, SetLayout | None]:
+    outs = plan.main.outputs()
+    main = SetLayout(plan.main, [assign_shards(outs, r, plan.tp, shard_size) for r in range(plan.tp)])
+    mtp = None
+    if plan.mtp is not None:
+        mo = plan.mtp.outputs()
+        mtp = SetLayout(plan.mtp, [assign_shards(mo, r, plan.tp, shard_size) for r in range(plan.tp)])
+    return main, mtp
+
+
+def _write_set(layout: SetLayout, directory: Path, tp: int, progress: Callable[[int], None],
+               src: SourceCheckpoint) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+    writer = ShardSetWriter(directory, layout.shards, layout.plan.outputs(), on_bytes=progress)
+    try:
+        for group in layout.plan.groups:
+            for rank in range(tp):
+                cache: dict[str, Any] = {}
+                for out in group.outputs:
+                    writer.write(rank, out, out.produce(rank, cache))
+                src.release()  # unmap this group's source pages
+        return writer.close(), writer.tensor_file
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
+    """Config, generation config and tokenizer files, with their sizes and hashes."""
+    copied = {}
+    for p in sorted(src.iterdir()):
+        if p.is_file() and (p.name in COPY_FILES or p.name.endswith(COPY_SUFFIXES)):
+            shutil.copy2(p, dst / p.name)
+            copied[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    return copied
+
+
+@contextlib.contextmanager
+def _staging(dst: Path) -> Iterator[Path]:
+    """A temporary directory beside DST, renamed to DST on success, removed on failure."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        old = None
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / "x")
+        os.rename(tmp, dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
+            shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
+            progress: bool = False, profile: str = "atom") -> dict[str, Any]:
+    """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
+
+    Args:
+        src: checkpoint folder (config.json plus model.safetensors or an index and shards).
+        dst: output folder; must not exist unless `force`.
+        target: "gfx950" (MI355, e4m3fn) or "gfx942" (MI300/MI325, e4m3fnuz).
+        tp: tensor-parallel size; one set of shards per rank.
+        shard_size: upper bound per shard file (bytes, or text like "5GB").
+        mtp: convert the DeepSeek-V3/R1 MTP layer into `dst/mtp/` (False drops it).
+        force: replace an existing `dst`.
+        progress: show a tqdm bar in bytes.
+
+    Returns:
+        The manifest (also written to `dst/atom_manifest.json`).
+
+    Example:
+        >>> import atom_convert
+        >>> m = atom_convert.convert("DeepSeek-V3", "DeepSeek-V3-atom-gfx950", target="gfx950", tp=8)
+    """
+    t0 = time.perf_counter()
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
+    source = SourceCheckpoint(src)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile)
+    main, mtp_layout = layout_shards(plan, parse_size(shard_size))
+    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards for s in r)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
+    try:
+        with _staging(dst) as tmp:
+            mtp_manifest = None
+            if mtp_layout is not None:
+                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan.tp, bar.update, source)
+                copied = _copy_side_files(source.path, tmp / MTP_DIR)
+                mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
+                write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
+            files, where = _write_set(main, tmp, plan.tp, bar.update, source)
+            copied = _copy_side_files(source.path, tmp)
+            manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
+                                      mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
+                                      seconds=time.perf_counter() - t0)
+            write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
+    finally:
+        bar.close()
+        source.release()
+    return manifest
+
+
+def plan_summary(src: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
+                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True) -> dict[str, Any]:
+    """The dry-run plan: every output tensor with dtype, shape, bytes and shard; reads no tensor data."""
+    source = SourceCheckpoint(src)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp)
+    main, mtp_layout = layout_shards(plan, parse_size(shard_size))
+    sets = []
+    for role, lay in (("main", main), ("mtp", mtp_layout)):
+        if lay is None:
+            continue
+        rows = []
+        for rank, shards in enumerate(lay.shards):
+            file_of = {n: s.file for s in shards for n in s.names}
+            for o in lay.plan.outputs():
+                rows.append({"rank": rank, "name": o.name, "dtype": str(o.dtype).removeprefix("torch."),
+                             "shape": list(o.shape), "bytes": o.nbytes,
+                             "file": (f"{MTP_DIR}/" if role == "mtp" else "") + file_of[o.name]})
+        sets.append({"role": role, "tensors": rows,
+                     "shards": [{"file": s.file, "rank": s.rank, "tensors": len(s.names), "bytes": s.nbytes}
+                                for r in lay.shards for s in r]})
+    return {"architecture": plan.spec.architecture, "model_type": plan.spec.model_type,
+            "source_format": plan.source_format, "target": target, "tp": tp, "sets": sets,
+            "dropped": plan.dropped, "total_bytes": sum(s["bytes"] for st in sets for s in st["shards"])}

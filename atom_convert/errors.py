@@ -1,0 +1,54 @@
+"""Error types. Every user-facing failure is an `AtomConvertError`.
+
+`BadInputError` (exit code 2) covers everything the user can fix: a missing or
+malformed tensor, an unsupported format, an existing destination. Its message
+names the file and tensor, the expected and the actual value, and what to do.
+Anything else that escapes is an internal error (exit code 1).
+"""
+
+from __future__ import annotations
+
+
+class AtomConvertError(Exception):
+    """Base class of atom-convert's own errors."""
+
+    exit_code = 1
+
+
+class BadInputError(AtomConvertError):
+    """The input (checkpoint, options or destination) cannot be converted as given."""
+
+    exit_code = 2
+
+
+class UnsupportedError(BadInputError):
+    """A valid checkpoint that atom-convert (or ATOM) does not support."""
+
+
+class CheckpointError(BadInputError):
+    """The source checkpoint is incomplete, truncated or inconsistent.
+
+    `problems` lists every problem found, not only the first one, so that a user
+    can fix a checkpoint in one pass.
+    """
+
+    def __init__(self, problems: list[str] | str, hint: str | None = None):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        shown = self.problems[:20]
+        text = "\n".join(f"  - {p}" for p in shown)
+        if len(self.problems) > len(shown):
+            text += f"\n  ... and {len(self.problems) - len(shown)} more"
+        msg = f"invalid source checkpoint ({len(self.problems)} problem(s)):\n{text}"
+        if hint:
+            msg += f"\n{hint}"
+        super().__init__(msg)
+
+
+class DestinationExistsError(BadInputError):
+    """The destination exists and `force` was not given."""
+
+
+class ConvertedCheckError(BadInputError):
+    """A converted directory fails its integrity checks."""

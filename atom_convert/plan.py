@@ -1,0 +1,97 @@
+"""The conversion plan: every output tensor, its dtype, shape and sources, known
+before any tensor data is read. `--dry-run` prints it; the writer sizes shards
+and headers from it; the manifest records it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .model import ModelSpec
+from .profile import NamingProfile
+
+# Produces one rank's tensor as chunks along dim 0 (or the whole tensor); the
+# `cache` dict lives for one (group, rank), so outputs of the same group can
+# share one read of their sources (a weight and its scale, W_K and W_V).
+Producer = Callable[[int, dict[str, Any]], Iterable[torch.Tensor]]
+
+
+@dataclass
+class OutTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per rank
+    sources: tuple[str, ...]
+    produce: Producer
+    is_shuffled: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Group:
+    """One unit of streaming work (a decoder layer, or the top-level tensors).
+
+    The working set of a conversion is one group's producers at a time.
+    """
+
+    key: str
+    outputs: list[OutTensor] = field(default_factory=list)
+
+
+@dataclass
+class ModelPlan:
+    """One converted set (the main model, or the MTP drafter under mtp/)."""
+
+    groups: list[Group]
+    aliases: dict[str, str] = field(default_factory=dict)  # alias name -> stored name
+    moe_layers: dict[str, str] = field(default_factory=dict)  # layer -> shared-expert layout
+
+    def outputs(self) -> list[OutTensor]:
+        return [o for g in self.groups for o in g.outputs]
+
+
+@dataclass
+class ConversionPlan:
+    spec: ModelSpec
+    source_format: str
+    target: str
+    tp: int
+    profile: NamingProfile
+    main: ModelPlan
+    mtp: ModelPlan | None
+    dropped: dict[str, str]  # source name -> reason
+    layout_flags: dict[str, Any]
+
+
+@dataclass
+class ShardPlan:
+    file: str
+    rank: int
+    names: list[str]
+    nbytes: int
+
+
+def assign_shards(outputs: list[OutTensor], rank: int, tp: int, max_bytes: int, prefix: str = "model") -> list[ShardPlan]:
+    """Greedy, in load order: a shard closes when the next tensor would pass `max_bytes`
+    (a tensor larger than the budget gets a shard of its own)."""
+    groups: list[tuple[list[str], int]] = [([], 0)]
+    for o in outputs:
+        names, size = groups[-1]
+        if names and size + o.nbytes > max_bytes:
+            groups.append(([], 0))
+            names, size = groups[-1]
+        names.append(o.name)
+        groups[-1] = (names, size + o.nbytes)
+    n = len(groups)
+    tag = f"-rank{rank}" if tp > 1 else ""
+    return [
+        ShardPlan(f"{prefix}{tag}-{k + 1:05d}-of-{n:05d}.safetensors", rank, names, size)
+        for k, (names, size) in enumerate(groups)
+    ]

@@ -1,0 +1,47 @@
+"""The aiter kernel weight shuffle ("shuffle16", spec §3.0.3) and its inverse.
+
+A pure permutation of the last two dims of [..., N, K]: the matrix is cut into
+16-row x 32-byte tiles stored tile-row-major; inside a tile the layout is
+[k-chunk][row][Ke contiguous elements], Ke = 16 bytes / element size.
+ATOM applies it per rank, after slicing and after fnuz normalisation (spec §5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import SHUFFLE_K_BYTES, SHUFFLE_K_ELEMS, SHUFFLE_ROWS
+
+
+def _geometry(x: torch.Tensor) -> tuple[int, int, int, int]:
+    if x.dim() < 2:
+        raise ValueError(f"shuffle16 needs a tensor of at least 2 dims, got shape {list(x.shape)}")
+    n, k = x.shape[-2], x.shape[-1]
+    ke = SHUFFLE_K_BYTES // x.element_size()
+    # aiter views K as [K/32, 32/Ke, Ke]: 32 *elements* per tile column group, whatever the width.
+    kcols = SHUFFLE_K_ELEMS
+    if n % SHUFFLE_ROWS or k % kcols:
+        raise ValueError(
+            f"shuffle16 needs rows % {SHUFFLE_ROWS} == 0 and columns % {kcols} == 0, got shape {list(x.shape)}"
+        )
+    return n, k, ke, kcols
+
+
+def shuffle_requirements_met(shape: tuple[int, ...] | list[int]) -> bool:
+    return len(shape) >= 2 and shape[-2] % SHUFFLE_ROWS == 0 and shape[-1] % SHUFFLE_K_ELEMS == 0
+
+
+def shuffle16(x: torch.Tensor) -> torch.Tensor:
+    """aiter `shuffle_weight(x, layout=(16, 16))`, returned contiguous, same dtype and shape."""
+    n, k, ke, kc = _geometry(x)
+    lead = x.shape[:-2]
+    v = x.reshape(-1, n // 16, 16, k // kc, kc // ke, ke)
+    return v.permute(0, 1, 3, 4, 2, 5).contiguous().reshape(*lead, n, k)
+
+
+def unshuffle16(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of `shuffle16` (used by the reference forward and by tests)."""
+    n, k, ke, kc = _geometry(x)
+    lead = x.shape[:-2]
+    v = x.reshape(-1, n // 16, k // kc, kc // ke, 16, ke)
+    return v.permute(0, 1, 4, 2, 3, 5).contiguous().reshape(*lead, n, k)

@@ -1,0 +1,271 @@
+"""Small real checkpoints from the presets in configs/, for the demo, tests and benches.
+
+`build_tiny` uses transformers' own DeepseekV2/V3 classes, so the tensors
+carry the names, shapes and dtypes transformers writes (router in fp32). The
+MTP layer (which transformers does not model) is written by hand with the
+names DeepSeek-V3 ships. `quantize_fp8` applies DeepSeek's 128x128 block rule
+with partial edge blocks (docs/test-fixtures.md §2).
+
+`source_inventory` enumerates a checkpoint's names and shapes from config
+alone; `build_random` streams random tensors of any width straight to disk
+(a full-width layer does not fit a test machine's memory through transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from .model import ModelSpec
+from .quant.fp8_block import block_quant, scale_grid
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+# Linear weights that DeepSeek keeps in bf16 in its fp8 release.
+_NOT_QUANTIZED = re.compile(r".*(mlp\.gate\.weight|embed_tokens\.weight|lm_head\.weight|shared_head\.head\.weight|norm\.weight|layernorm\.weight|enorm\.weight|hnorm\.weight)$")
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """A preset from configs/ by name ('tiny-deepseek-v3') or path."""
+    p = Path(name)
+    if not p.suffix:
+        p = CONFIG_DIR / f"{name}.json"
+    cfg = json.loads(p.read_text())
+    cfg.pop("_comment", None)
+    return cfg
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    names = sorted(tensors, key=_natural)
+    if shards <= 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k * per:(k + 1) * per]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek fp8 release rule: every 2-D linear weight except router, embeddings,
+    heads and norms becomes e4m3fn with a `weight_scale_inv` per 128x128 block."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and name.endswith(".weight") and not _NOT_QUANTIZED.match(name):
+            q, s = block_quant(t)
+            out[name] = q
+            out[name.removesuffix(".weight") + ".weight_scale_inv"] = s
+        else:
+            out[name] = t
+    return out
+
+
+def _mtp_tensors(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's MTP layer j = num_hidden_layers: a full MoE decoder layer plus
+    embed_tokens, enorm, hnorm, eh_proj and shared_head (names as shipped)."""
+    n, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    last = f"model.layers.{n - 1}."
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(last):
+            new = f"model.layers.{n}." + name[len(last):]
+            out[new] = _like(t, gen)
+    j = f"model.layers.{n}."
+    out[j + "embed_tokens.weight"] = _rand((V, H), torch.bfloat16, gen)
+    out[j + "enorm.weight"] = 1 + 0.1 * _rand((H,), torch.bfloat16, gen)
+    out[j + "hnorm.weight"] = 1 + 0.1 * _rand((H,), torch.bfloat16, gen)
+    out[j + "eh_proj.weight"] = 0.02 * _rand((H, 2 * H), torch.bfloat16, gen)
+    out[j + "shared_head.norm.weight"] = 1 + 0.1 * _rand((H,), torch.bfloat16, gen)
+    out[j + "shared_head.head.weight"] = 0.02 * _rand((V, H), torch.bfloat16, gen)
+    return out
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    scale = float(t.float().std()) if t.numel() > 1 else 1.0
+    return (torch.randn(t.shape, generator=gen, dtype=torch.float32) * (scale or 0.02) + float(t.float().mean())).to(t.dtype)
+
+
+def build_tiny(preset: str | dict[str, Any], out: str | Path, *, fmt: str = "bf16", seed: int = 0, shards: int = 1,
+               overwrite: bool = False) -> Path:
+    """A tiny random checkpoint built with transformers from a configs/ preset.
+
+    fmt: "bf16" or "fp8" (DeepSeek block fp8 with partial blocks).
+    The config.json written is the preset itself (model_type kimi_k2 kept),
+    plus quantization_config for fp8.
+    """
+    import transformers
+
+    cfg = load_preset(preset) if isinstance(preset, str) else dict(preset)
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(out)
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    arch = cfg["architectures"][0]
+    hf_cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "quantization_config", "architectures")}
+    # transformers only knows deepseek_v3 (docs/test-fixtures.md §1, trap 2); the file keeps kimi_k2.
+    hf_cfg["model_type"] = "deepseek_v2" if arch == "DeepseekV2ForCausalLM" else "deepseek_v3"
+    hf_cfg["num_nextn_predict_layers"] = 0
+    cls_cfg = transformers.DeepseekV2Config if arch == "DeepseekV2ForCausalLM" else transformers.DeepseekV3Config
+    model_cls = getattr(transformers, arch)
+    torch.manual_seed(seed)
+    model = model_cls._from_config(cls_cfg(**hf_cfg), dtype=torch.bfloat16)  # keeps the router in fp32
+    with torch.no_grad():  # transformers' init leaves some tensors at exactly 0 or 1; use fresh random data
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5))
+    tmp = out / ".hf"
+    model.save_pretrained(tmp)
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if (tmp / "generation_config.json").exists():
+        shutil.copy(tmp / "generation_config.json", out / "generation_config.json")
+    shutil.rmtree(tmp)
+    if cfg.get("num_nextn_predict_layers"):
+        tensors.update(_mtp_tensors(cfg, tensors, torch.Generator().manual_seed(seed + 2)))
+    if fmt == "fp8":
+        tensors = quantize_fp8(tensors)
+        cfg["quantization_config"] = dict(FP8_QUANT_CONFIG)
+    elif fmt != "bf16":
+        raise ValueError(f"fmt must be 'bf16' or 'fp8', got {fmt!r}")
+    _save_sharded(tensors, out, shards)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Full-width synthetic checkpoints without transformers
+# ------------------------------------------------------------------------------------------------
+
+
+def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor of a DeepSeek/Kimi HF checkpoint, in file order.
+    kind: 'linear' (quantizable weight), 'router', 'bias' (fp32), 'plain' (bf16)."""
+    s = ModelSpec.from_config(cfg)
+    yield "model.embed_tokens.weight", (s.vocab, s.H), "plain"
+    for i in range(s.n_layers + s.n_mtp):
+        p = f"model.layers.{i}."
+        if i >= s.n_layers:
+            yield p + "embed_tokens.weight", (s.vocab, s.H), "plain"
+            for n in ("enorm.weight", "hnorm.weight"):
+                yield p + n, (s.H,), "plain"
+            yield p + "eh_proj.weight", (s.H, 2 * s.H), "linear"
+            yield p + "shared_head.norm.weight", (s.H,), "plain"
+            yield p + "shared_head.head.weight", (s.vocab, s.H), "plain"
+        yield p + "input_layernorm.weight", (s.H,), "plain"
+        yield p + "post_attention_layernorm.weight", (s.H,), "plain"
+        if s.Q is None:
+            yield p + "self_attn.q_proj.weight", (s.Nh * (s.P + s.R), s.H), "linear"
+        else:
+            yield p + "self_attn.q_a_proj.weight", (s.Q, s.H), "linear"
+            yield p + "self_attn.q_a_layernorm.weight", (s.Q,), "plain"
+            yield p + "self_attn.q_b_proj.weight", (s.Nh * (s.P + s.R), s.Q), "linear"
+        yield p + "self_attn.kv_a_proj_with_mqa.weight", (s.L + s.R, s.H), "linear"
+        yield p + "self_attn.kv_a_layernorm.weight", (s.L,), "plain"
+        yield p + "self_attn.kv_b_proj.weight", (s.Nh * (s.P + s.V), s.L), "linear"
+        yield p + "self_attn.o_proj.weight", (s.H, s.Nh * s.V), "linear"
+        if not s.is_moe_layer(i):
+            for n in ("gate_proj", "up_proj"):
+                yield p + f"mlp.{n}.weight", (s.Id, s.H), "linear"
+            yield p + "mlp.down_proj.weight", (s.H, s.Id), "linear"
+            continue
+        yield p + "mlp.gate.weight", (s.E, s.H), "router"
+        if s.has_correction_bias:
+            yield p + "mlp.gate.e_score_correction_bias", (s.E,), "bias"
+        for e in range(s.E):
+            for n in ("gate_proj", "up_proj"):
+                yield p + f"mlp.experts.{e}.{n}.weight", (s.I, s.H), "linear"
+            yield p + f"mlp.experts.{e}.down_proj.weight", (s.H, s.I), "linear"
+        if s.S:
+            for n in ("gate_proj", "up_proj"):
+                yield p + f"mlp.shared_experts.{n}.weight", (s.I * s.S, s.H), "linear"
+            yield p + "mlp.shared_experts.down_proj.weight", (s.H, s.I * s.S), "linear"
+    yield "model.norm.weight", (s.H,), "plain"
+    yield "lm_head.weight", (s.vocab, s.H), "plain"
+
+
+def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed: int = 0,
+                 shard_bytes: int = 4 * 1000**3) -> Path:
+    """Random checkpoint of any width, written shard by shard (memory: one shard).
+
+    fp8 weights are random e4m3fn bytes (NaN codes excluded) with random
+    positive scales, which exercises every byte path at a fraction of the cost
+    of quantising random bf16.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=False)
+    gen = torch.Generator().manual_seed(seed)
+    buf: dict[str, torch.Tensor] = {}
+    size, k, weight_map = 0, 0, {}
+
+    def flush() -> None:
+        nonlocal buf, size, k
+        if not buf:
+            return
+        k += 1
+        fname = f"model-{k:05d}.safetensors"
+        save_file(buf, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in buf})
+        buf, size = {}, 0
+
+    for name, shape, kind in source_inventory(cfg):
+        if kind == "linear" and fmt == "fp8":
+            b = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            b[(b & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+            tensors = {name: b.view(torch.float8_e4m3fn),
+                       name.removesuffix(".weight") + ".weight_scale_inv":
+                           torch.rand(scale_grid(shape), generator=gen) * 1e-3 + 1e-4}
+        elif kind in ("router", "bias"):
+            tensors = {name: torch.randn(shape, generator=gen) * 0.02}
+        else:
+            tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
+        for n, t in tensors.items():
+            buf[n] = t
+            size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    n = k
+    renamed = {}
+    for i in range(1, n + 1):
+        src, dst = out / f"model-{i:05d}.safetensors", f"model-{i:05d}-of-{n:05d}.safetensors"
+        src.rename(out / dst)
+        renamed[f"model-{i:05d}.safetensors"] = dst
+    weight_map = {t: renamed[f] for t, f in weight_map.items()}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    if fmt == "fp8":
+        cfg = dict(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
+    else:
+        cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
