@@ -116,6 +116,7 @@ def build_tiny(preset: str | dict[str, Any], out: str | Path, *, fmt: str = "bf1
     """
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     cfg = load_preset(preset) if isinstance(preset, str) else dict(preset)
     out = Path(out)
     if out.exists():

@@ -1,0 +1,205 @@
+"""The `atom-convert` command line: a thin click layer over the library.
+
+Exit codes: 0 success, 2 bad input or usage, 1 internal error.
+Set ATOM_CONVERT_DEBUG=1 to see tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import AtomConvertError
+from ..quant.formats import TARGETS
+
+
+def _examples(*lines: str) -> str:
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="atom-convert")
+def cli() -> None:
+    """Convert DeepSeek V2/V3/R1 and Kimi-K2 checkpoints into the ROCm ATOM runtime's
+    post-load weight layout, once, offline; the runtime memory-maps the result."""
+
+
+@cli.command(epilog=_examples(
+    "atom-convert convert ./DeepSeek-V3 ./DeepSeek-V3-atom --target gfx950 --tp 8",
+    "atom-convert convert ./Kimi-K2-Instruct ./kimi-mi300 --target gfx942 --tp 8 --shard-size 10GB",
+    "atom-convert convert ./DeepSeek-R1 ./r1-atom --no-mtp --dry-run",
+))
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--target", type=click.Choice(TARGETS), default="gfx950", show_default=True,
+              help="GPU: gfx950 (MI355X, fp8 e4m3fn) or gfx942 (MI300X/MI325X, fp8 e4m3fnuz).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size: one set of shards per rank.")
+@click.option("--shard-size", default="5GB", show_default=True, help="Upper bound per shard file, e.g. 5GB, 500MB.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shape, bytes, shard); write nothing.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--no-mtp", is_flag=True, help="Drop the DeepSeek-V3/R1 MTP layer instead of converting it to DST/mtp/.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
+            as_json: bool) -> None:
+    """Convert the checkpoint in SRC into ATOM's layout in DST."""
+    from ..convert import convert as run_convert
+    from ..convert import plan_summary
+
+    if dry_run:
+        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp)
+        if as_json:
+            click.echo(json.dumps(plan, indent=1))
+        else:
+            _print_plan(plan)
+        return
+    m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
+                            progress=not as_json and sys.stderr.isatty())
+    if as_json:
+        click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "files", "mtp", "conversion_seconds")}, indent=1))
+        return
+    total = sum(f["bytes"] for f in m["files"].values())
+    click.echo(f"converted {m['source']['architecture']} ({m['source']['model_type']}, {m['source']['quant_format']}) "
+               f"for {m['target']} tp={m['tp_size']}: {len(m['tensors'])} tensors per rank, {len(m['files'])} files, "
+               f"{_human(total)} in {m['conversion_seconds']:.1f} s -> {dst}")
+    if m["mtp"]["status"] == "converted":
+        click.echo(f"MTP layer: {m['mtp']['tensors']} tensors in {dst / m['mtp']['path']}")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def _print_plan(plan: dict[str, Any]) -> None:
+    click.echo(f"plan: {plan['architecture']} ({plan['model_type']}, {plan['source_format']}) -> ATOM layout for "
+               f"{plan['target']}, tp={plan['tp']}; nothing is written (--dry-run)")
+    for st in plan["sets"]:
+        click.echo(f"\n[{st['role']}]")
+        click.echo(f"{'rank':>4}  {'tensor':<72} {'dtype':<16} {'shape':<22} {'bytes':>12}  file")
+        for r in st["tensors"]:
+            click.echo(f"{r['rank']:>4}  {r['name']:<72} {r['dtype']:<16} {str(r['shape']):<22} {r['bytes']:>12}  {r['file']}")
+        for s in st["shards"]:
+            click.echo(f"shard {s['file']}: rank {s['rank']}, {s['tensors']} tensors, {_human(s['bytes'])}")
+    if plan["dropped"]:
+        click.echo(f"\ndropped source tensors: {len(plan['dropped'])}")
+        for n, why in plan["dropped"].items():
+            click.echo(f"  {n}: {why}")
+    click.echo(f"\ntotal: {_human(plan['total_bytes'])}")
+
+
+@cli.command(epilog=_examples("atom-convert inspect ./DeepSeek-V3", "atom-convert inspect ./DeepSeek-V3-atom --json"))
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(path: Path, as_json: bool) -> None:
+    """Describe a source checkpoint or a converted directory."""
+    from ..inspect import describe
+
+    info = describe(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    for k, v in info.items():
+        if isinstance(v, dict):
+            click.echo(f"{k}:")
+            for kk, vv in v.items():
+                click.echo(f"  {kk}: {vv}")
+        else:
+            click.echo(f"{k}: {v}")
+
+
+@cli.command(epilog=_examples("atom-convert verify ./DeepSeek-V3-atom", "atom-convert verify ./tiny-atom --source ./tiny"))
+@click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Also decode every converted tensor and compare it with the source's.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def verify(dst: Path, source: Path | None, as_json: bool) -> None:
+    """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes,
+    and with --source the decoded values against the source checkpoint."""
+    from ..check import check_files, check_values
+
+    r = check_files(dst)
+    if source is not None:
+        check_values(dst, source, r)
+    _report(r, as_json)
+
+
+def _report(r: Any, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": r.ok, "files": r.files_checked, "tensors": r.tensors_checked,
+                               "values": r.values_checked, "max_mla_rel_err": r.max_mla_rel_err,
+                               "problems": r.problems}, indent=1))
+    else:
+        click.echo(f"files checked: {r.files_checked}, tensor headers: {r.tensors_checked}, "
+                   f"tensors decoded against the source: {r.values_checked}"
+                   + (f" (MLA W_K/W_V max error {r.max_mla_rel_err:.4f} of amax)" if r.values_checked else ""))
+        for p in r.problems:
+            click.echo(f"FAIL {p}")
+        click.echo("OK" if r.ok else f"{len(r.problems)} problem(s)")
+    if not r.ok:
+        raise SystemExit(1)
+
+
+@cli.command(epilog=_examples("atom-convert demo", "atom-convert demo ./demo-out --target gfx942 --tp 2"))
+@click.argument("out", required=False, type=click.Path(path_type=Path), default=Path("atom-convert-demo"))
+@click.option("--target", type=click.Choice(TARGETS), default="gfx950", show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--preset", default="tiny-deepseek-v3", show_default=True, help="A configs/ preset.")
+def demo(out: Path, target: str, tp: int, preset: str) -> None:
+    """Generate a tiny DeepSeek-V3-architecture fp8 checkpoint from configs/, convert it,
+    check it against its source, and print a summary. OUT is replaced if it exists."""
+    import shutil
+    import time
+
+    from ..check import check_files, check_values
+    from ..convert import convert as run_convert
+    from ..synth import build_tiny
+
+    if out.exists():
+        shutil.rmtree(out)
+    t0 = time.perf_counter()
+    src = build_tiny(preset, out / "source", fmt="fp8", shards=2)
+    click.echo(f"1. generated {preset} (fp8 block, 2 shards) in {src} ({time.perf_counter() - t0:.1f} s)")
+    t1 = time.perf_counter()
+    m = run_convert(src, out / "converted", target, tp=tp)
+    click.echo(f"2. converted for {target} tp={tp}: {len(m['tensors'])} tensors per rank, {len(m['files'])} files, "
+               f"MTP {m['mtp']['status']} ({time.perf_counter() - t1:.1f} s) -> {out / 'converted'}")
+    r = check_values(out / "converted", src, check_files(out / "converted"))
+    click.echo("3. checked: ", nl=False)
+    _report(r, as_json=False)
+    for name in ("model.layers.0.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.w13_weight",
+                 "model.layers.1.self_attn.mla_attn.impl.W_K"):
+        e = m["tensors"][name]
+        click.echo(f"   {name}: {e['dtype']} {e['shape']} shuffled={e['is_shuffled']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="atom-convert", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)  # usage errors
+    except AtomConvertError as e:
+        if os.environ.get("ATOM_CONVERT_DEBUG"):
+            traceback.print_exc()
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc() if os.environ.get("ATOM_CONVERT_DEBUG") else None
+        click.echo(f"internal error: {type(e).__name__}: {e} (set ATOM_CONVERT_DEBUG=1 for a traceback)", err=True)
+        sys.exit(1)
+    sys.exit(0)

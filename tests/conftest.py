@@ -1,0 +1,61 @@
+"""Session-cached fixtures: tiny real checkpoints (built with transformers from
+configs/ presets) and their conversions, shared by every test module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import atom_convert
+from atom_convert.synth import build_tiny
+
+PRESETS = ("tiny-deepseek-v2-lite", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-kimi-k2")
+FORMATS = ("bf16", "fp8")
+TARGETS = ("gfx950", "gfx942")
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("atom-convert")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(session_dir: Path) -> Callable[..., Path]:
+    """tiny_checkpoint(preset, fmt) -> source folder, built once per session.
+    fp8 sources are written as 2 shards with an index; bf16 as one file."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(preset: str, fmt: str) -> Path:
+        key = (preset, fmt)
+        if key not in cache:
+            cache[key] = build_tiny(preset, session_dir / "src" / f"{preset}-{fmt}", fmt=fmt, seed=hash(key) % 1000,
+                                    shards=2 if fmt == "fp8" else 1)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(session_dir: Path, tiny_checkpoint: Callable[..., Path]) -> Callable[..., Path]:
+    """converted(preset, fmt, target, tp=1) -> converted folder, built once per session."""
+    cache: dict[tuple[str, str, str, int], Path] = {}
+
+    def get(preset: str, fmt: str, target: str, tp: int = 1) -> Path:
+        key = (preset, fmt, target, tp)
+        if key not in cache:
+            dst = session_dir / "out" / f"{preset}-{fmt}-{target}-tp{tp}"
+            atom_convert.convert(tiny_checkpoint(preset, fmt), dst, target=target, tp=tp)
+            cache[key] = dst
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def aiter():
+    """(fp4_utils, shuffle) from the amd-aiter wheel: the runtime's own pure-torch helpers."""
+    from oracles import load_aiter
+
+    return load_aiter()

@@ -1,0 +1,100 @@
+"""Independent oracles, loaded from the real packages.
+
+aiter does not import without ROCm, so its pure-torch files (shuffle.py,
+fp4_utils.py, dtypes.py) are loaded by path out of the amd-aiter wheel, with
+stubs for the few GPU-only imports (docs/test-fixtures.md §5). The wheel is
+fetched once from the package registry into a cache folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+AITER_SPEC = "amd-aiter==0.1.7.post2.dev18"
+CACHE = Path(os.environ.get("ATOM_CONVERT_TEST_CACHE", Path.home() / ".cache" / "atom-convert-tests"))
+_FILES = ("aiter/ops/shuffle.py", "aiter/utility/fp4_utils.py", "aiter/utility/dtypes.py")
+
+
+def aiter_wheel() -> Path:
+    env = os.environ.get("ATOM_CONVERT_AITER_WHEEL")
+    if env:
+        return Path(env)
+    d = CACHE / "wheels"
+    found = sorted(d.glob("amd_aiter-*.whl")) if d.is_dir() else []
+    if not found:
+        d.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(d), AITER_SPEC], check=True)
+        found = sorted(d.glob("amd_aiter-*.whl"))
+    if not found:
+        raise RuntimeError(f"could not get the {AITER_SPEC} wheel into {d}")
+    return found[-1]
+
+
+class _Anything(types.ModuleType):
+    def __getattr__(self, n: str):
+        if n.startswith("__"):
+            raise AttributeError(n)
+        return _anything
+
+
+def _anything(*a, **k):
+    # decorators (triton.jit, triton.heuristics(...)) return the function unchanged
+    return a[0] if len(a) == 1 and callable(a[0]) and not k else _anything
+
+
+def load_aiter(pkg: str = "_aiter_oracle") -> tuple[types.ModuleType, types.ModuleType]:
+    """(fp4_utils, shuffle) modules of the wheel, importable without ROCm."""
+    if f"{pkg}.ops.shuffle" in sys.modules:
+        return sys.modules[f"{pkg}.utility.fp4_utils"], sys.modules[f"{pkg}.ops.shuffle"]
+    src = CACHE / "aiter-src"
+    with zipfile.ZipFile(aiter_wheel()) as z:
+        for f in _FILES:
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            (src / f).write_bytes(z.read(f))
+    stubbed = []
+    if importlib.util.find_spec("triton") is None:
+        tr, tl = _Anything("triton"), _Anything("triton.language")
+        tr.language = tl
+        tr.cdiv = lambda a, b: (a + b - 1) // b
+        for name, mod in (("triton", tr), ("triton.language", tl)):
+            sys.modules[name] = mod
+            stubbed.append(name)
+    for n in (pkg, f"{pkg}.utility", f"{pkg}.ops", f"{pkg}.jit", f"{pkg}.jit.utils"):
+        m = types.ModuleType(n)
+        m.__path__ = []
+        sys.modules[n] = m
+    chip = types.ModuleType(f"{pkg}.jit.utils.chip_info")
+    chip.get_gfx = lambda: "gfx950"
+    sys.modules[chip.__name__] = chip
+
+    def load(name: str, rel: str) -> types.ModuleType:
+        spec = importlib.util.spec_from_file_location(name, src / rel)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    try:
+        load(f"{pkg}.utility.dtypes", "aiter/utility/dtypes.py")
+        fp4 = load(f"{pkg}.utility.fp4_utils", "aiter/utility/fp4_utils.py")
+        shf = load(f"{pkg}.ops.shuffle", "aiter/ops/shuffle.py")
+    finally:
+        for n in stubbed:  # a stub left behind breaks importlib.util.find_spec("triton") for other packages
+            sys.modules.pop(n, None)
+    return fp4, shf
+
+
+def fp8_block_dequantize_dir(src: Path, out: Path) -> Path:
+    """compressed-tensors' FP8BlockDequantizer, file to file: bf16 weights, scales dropped.
+    Correct for partial blocks, unlike transformers' CPU fallback (docs/test-fixtures.md §2)."""
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+
+    convert_checkpoint(str(src), str(out), FP8BlockDequantizer.from_pretrained(str(src)), max_workers=1, device="cpu")
+    return out
