@@ -117,34 +117,43 @@ def inspect(path: Path, as_json: bool) -> None:
             click.echo(f"{k}: {v}")
 
 
-@cli.command(epilog=_examples("atom-convert verify ./DeepSeek-V3-atom", "atom-convert verify ./tiny-atom --source ./tiny"))
+@cli.command(epilog=_examples(
+    "atom-convert verify ./DeepSeek-V3-atom",
+    "atom-convert verify ./DeepSeek-V3-atom --source ./DeepSeek-V3 --layers 0,3 --tokens 32 --device cuda",
+    "atom-convert verify ./tiny-atom --source ./tiny --json",
+))
 @click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Also decode every converted tensor and compare it with the source's.")
+              help="The source checkpoint: decode every converted tensor against it and compare forwards.")
+@click.option("--layers", default=None, help="Comma-separated layer indices for the per-layer forward check (default all).")
+@click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Random token ids to run.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def verify(dst: Path, source: Path | None, as_json: bool) -> None:
-    """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes,
-    and with --source the decoded values against the source checkpoint."""
-    from ..check import check_files, check_values
+def verify(dst: Path, source: Path | None, layers: str | None, tokens: int, device: str, as_json: bool) -> None:
+    """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes; with
+    --source also every tensor's decoded values and a layer-by-layer forward against
+    transformers' model of the source. Exits 1 when a check or threshold fails."""
+    from ..verify import verify as run_verify
 
-    r = check_files(dst)
-    if source is not None:
-        check_values(dst, source, r)
-    _report(r, as_json)
+    picked = [int(x) for x in layers.split(",")] if layers else None
+    _report(run_verify(dst, source, layers=picked, tokens=tokens, device=device), as_json)
 
 
 def _report(r: Any, as_json: bool) -> None:
+    from ..verify import format_table
+
+    c = r.check
     if as_json:
-        click.echo(json.dumps({"ok": r.ok, "files": r.files_checked, "tensors": r.tensors_checked,
-                               "values": r.values_checked, "max_mla_rel_err": r.max_mla_rel_err,
-                               "problems": r.problems}, indent=1))
+        click.echo(json.dumps(r.as_dict(), indent=1))
     else:
-        click.echo(f"files checked: {r.files_checked}, tensor headers: {r.tensors_checked}, "
-                   f"tensors decoded against the source: {r.values_checked}"
-                   + (f" (MLA W_K/W_V max error {r.max_mla_rel_err:.4f} of amax)" if r.values_checked else ""))
-        for p in r.problems:
+        click.echo(f"files checked: {c.files_checked}, tensor headers: {c.tensors_checked}, "
+                   f"tensors decoded against the source: {c.values_checked}"
+                   + (f" (W_K/W_V within {c.max_mla_rel_err:.4f} of amax)" if c.values_checked else ""))
+        if r.rows:
+            click.echo(format_table(r))
+        for p in r.failures:
             click.echo(f"FAIL {p}")
-        click.echo("OK" if r.ok else f"{len(r.problems)} problem(s)")
+        click.echo("OK" if r.ok else f"{len(r.failures)} problem(s)")
     if not r.ok:
         raise SystemExit(1)
 
@@ -156,13 +165,14 @@ def _report(r: Any, as_json: bool) -> None:
 @click.option("--preset", default="tiny-deepseek-v3", show_default=True, help="A configs/ preset.")
 def demo(out: Path, target: str, tp: int, preset: str) -> None:
     """Generate a tiny DeepSeek-V3-architecture fp8 checkpoint from configs/, convert it,
-    check it against its source, and print a summary. OUT is replaced if it exists."""
+    verify it against its source (tensors and a forward pass), and print a summary.
+    OUT is replaced if it exists."""
     import shutil
     import time
 
-    from ..check import check_files, check_values
     from ..convert import convert as run_convert
     from ..synth import build_tiny
+    from ..verify import verify as run_verify
 
     if out.exists():
         shutil.rmtree(out)
@@ -173,13 +183,12 @@ def demo(out: Path, target: str, tp: int, preset: str) -> None:
     m = run_convert(src, out / "converted", target, tp=tp)
     click.echo(f"2. converted for {target} tp={tp}: {len(m['tensors'])} tensors per rank, {len(m['files'])} files, "
                f"MTP {m['mtp']['status']} ({time.perf_counter() - t1:.1f} s) -> {out / 'converted'}")
-    r = check_values(out / "converted", src, check_files(out / "converted"))
-    click.echo("3. checked: ", nl=False)
-    _report(r, as_json=False)
     for name in ("model.layers.0.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.w13_weight",
                  "model.layers.1.self_attn.mla_attn.impl.W_K"):
         e = m["tensors"][name]
         click.echo(f"   {name}: {e['dtype']} {e['shape']} shuffled={e['is_shuffled']}")
+    click.echo("3. verify against the source (atom-convert verify --source):")
+    _report(run_verify(out / "converted", src), as_json=False)
 
 
 def main(argv: list[str] | None = None) -> None:
