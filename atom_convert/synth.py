@@ -216,12 +216,14 @@ def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]
 
 
 def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed: int = 0,
-                 shard_bytes: int = 4 * 1000**3) -> Path:
+                 shard_bytes: int = 4 * 1000**3, weights: str = "bytes") -> Path:
     """Random checkpoint of any width, written shard by shard (memory: one shard).
 
-    fp8 weights are random e4m3fn bytes (NaN codes excluded) with random
-    positive scales, which exercises every byte path at a fraction of the cost
-    of quantising random bf16.
+    weights="bytes": fp8 weights are random e4m3fn bytes (NaN codes excluded)
+    with random positive scales, which exercises every byte path at a fraction
+    of the cost of quantising random data (benches).
+    weights="gaussian": linear weights are N(0, 1/in_features) in bf16, block
+    quantised as DeepSeek does for fp8 (numerical checks).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)
@@ -240,14 +242,23 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
         buf, size = {}, 0
 
     for name, shape, kind in source_inventory(cfg):
-        if kind == "linear" and fmt == "fp8":
+        if kind == "linear" and weights == "gaussian":
+            w = (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)
+            if fmt == "fp8":
+                q, s = block_quant(w)
+                tensors = {name: q, name.removesuffix(".weight") + ".weight_scale_inv": s}
+            else:
+                tensors = {name: w}
+        elif kind == "linear" and fmt == "fp8":
             b = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
             b[(b & 0x7F) == 0x7F] = 0x3C  # no NaN codes
             tensors = {name: b.view(torch.float8_e4m3fn),
                        name.removesuffix(".weight") + ".weight_scale_inv":
                            torch.rand(scale_grid(shape), generator=gen) * 1e-3 + 1e-4}
         elif kind in ("router", "bias"):
-            tensors = {name: torch.randn(shape, generator=gen) * 0.02}
+            tensors = {name: torch.randn(shape, generator=gen) * (0.02 if kind == "bias" else shape[1] ** -0.5)}
+        elif len(shape) == 1:  # norms
+            tensors = {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)}
         else:
             tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
         for n, t in tensors.items():
