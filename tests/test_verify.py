@@ -1,0 +1,148 @@
+"""`atom-convert verify`: passes on every good conversion, and fails, naming the tensor,
+on each deliberate corruption (written consistently: the manifest's hashes are
+updated, so only the value checks can catch it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from atom_convert.manifest import MANIFEST_NAME, sha256_file
+from atom_convert.quant.shuffle import shuffle16
+from atom_convert.source import read_safetensors_header
+from atom_convert.verify import verify
+
+from conftest import FORMATS, PRESETS, TARGETS
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_verify_passes(converted, tiny_checkpoint, preset, fmt, target):
+    r = verify(converted(preset, fmt, target), tiny_checkpoint(preset, fmt), tokens=8)
+    assert r.ok, r.failures
+    kinds = {row["kind"] for row in r.rows}
+    assert {"attn", "attn_prefill", "layer", "logits"} <= kinds
+    assert r.check.values_checked > 20
+
+
+@pytest.mark.parametrize("preset,fmt,target", [("tiny-deepseek-v3", "fp8", "gfx942"), ("tiny-deepseek-v2", "bf16", "gfx950")])
+def test_verify_passes_tp2(converted, tiny_checkpoint, preset, fmt, target):
+    r = verify(converted(preset, fmt, target, tp=2), tiny_checkpoint(preset, fmt), tokens=8)
+    assert r.ok, r.failures
+
+
+# -- corruptions ---------------------------------------------------------------------------------
+
+
+def _copy(converted, preset, fmt, target, tmp_path: Path) -> Path:
+    dst = tmp_path / "conv"
+    shutil.copytree(converted(preset, fmt, target), dst)
+    return dst
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _rewrite(dst: Path, name: str, fn) -> None:
+    """Replace tensor `name` by fn(tensor) in its shard and update the manifest's hashes."""
+    m = json.loads((dst / MANIFEST_NAME).read_text())
+    f = m["tensors"][name]["file"]
+    tensors = load_file(str(dst / f))
+    new = fn(tensors[name].clone())
+    assert new.dtype == tensors[name].dtype and new.shape == tensors[name].shape
+    assert not torch.equal(_bytes(new), _bytes(tensors[name])), "the corruption must change the bytes"
+    tensors[name] = new
+    save_file(tensors, str(dst / f), metadata={"format": "pt"})
+    m["files"][f] = {"bytes": (dst / f).stat().st_size, "sha256": sha256_file(dst / f)}
+    (dst / MANIFEST_NAME).write_text(json.dumps(m))
+
+
+def _fails_naming(dst: Path, src: Path, name: str) -> None:
+    r = verify(dst, src, tokens=8)
+    assert not r.ok
+    assert r.check.problems, "the per-tensor check must catch it"
+    assert any(name in p for p in r.check.problems), r.check.problems
+
+
+def test_flipped_byte_in_any_file(converted, tiny_checkpoint, tmp_path):
+    """One byte flipped inside each file in turn: the file is named without --source; with it, the
+    tensor whose bytes hold the flipped byte is named."""
+    base = converted("tiny-deepseek-v3", "fp8", "gfx950")
+    src = tiny_checkpoint("tiny-deepseek-v3", "fp8")
+    m = json.loads((base / MANIFEST_NAME).read_text())
+    shards = [f for f in m["files"] if f.endswith(".safetensors")]
+    assert len(shards) >= 2  # main and mtp/
+    for f in shards:
+        dst = tmp_path / f"flip-{f.replace('/', '_')}"
+        shutil.copytree(base, dst)
+        header, start = read_safetensors_header(dst / f)
+        # the largest tensor of the file, a byte in the middle of its data
+        name, meta = max(((n, v) for n, v in header.items() if n != "__metadata__"),
+                         key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+        off = start + (meta["data_offsets"][0] + meta["data_offsets"][1]) // 2
+        raw = bytearray((dst / f).read_bytes())
+        raw[off] ^= 0x5A
+        (dst / f).write_bytes(bytes(raw))
+        r = verify(dst, None)
+        assert not r.ok and any(Path(f).name in p and "sha256" in p for p in r.failures), r.failures
+        r = verify(dst, src, tokens=4)
+        assert any(name in p for p in r.check.problems), (f, name, r.check.problems)
+
+
+def test_w_k_heads_permuted(converted, tiny_checkpoint, tmp_path):
+    dst = _copy(converted, "tiny-deepseek-v3", "fp8", "gfx950", tmp_path)
+    name = "model.layers.1.self_attn.mla_attn.impl.W_K"
+    _rewrite(dst, name, lambda t: t[torch.tensor([1, 0, 3, 2])].contiguous())
+    _fails_naming(dst, tiny_checkpoint("tiny-deepseek-v3", "fp8"), name)
+
+
+def test_shuffle_applied_twice(converted, tiny_checkpoint, tmp_path):
+    dst = _copy(converted, "tiny-kimi-k2", "fp8", "gfx950", tmp_path)
+    name = "model.layers.2.mlp.experts.w13_weight"
+    _rewrite(dst, name, shuffle16)
+    _fails_naming(dst, tiny_checkpoint("tiny-kimi-k2", "fp8"), name)
+
+
+def test_shuffle_applied_twice_linear(converted, tiny_checkpoint, tmp_path):
+    dst = _copy(converted, "tiny-deepseek-v2", "fp8", "gfx942", tmp_path)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    _rewrite(dst, name, shuffle16)
+    _fails_naming(dst, tiny_checkpoint("tiny-deepseek-v2", "fp8"), name)
+
+
+def test_fnuz_scales_doubled_twice(converted, tiny_checkpoint, tmp_path):
+    dst = _copy(converted, "tiny-deepseek-v3", "fp8", "gfx942", tmp_path)
+    _rewrite(dst, "model.layers.0.self_attn.fused_qkv_a_proj.weight_scale", lambda s: s * 2)
+    _fails_naming(dst, tiny_checkpoint("tiny-deepseek-v3", "fp8"), "model.layers.0.self_attn.fused_qkv_a_proj.weight")
+
+
+def test_fnuz_expert_scales_doubled_twice(converted, tiny_checkpoint, tmp_path):
+    dst = _copy(converted, "tiny-deepseek-v3", "fp8", "gfx942", tmp_path)
+    _rewrite(dst, "model.layers.1.mlp.experts.w2_weight_scale", lambda s: s * 2)
+    _fails_naming(dst, tiny_checkpoint("tiny-deepseek-v3", "fp8"), "model.layers.1.mlp.experts.w2_weight")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gate_up_swapped_in_w13(converted, tiny_checkpoint, tmp_path, fmt):
+    dst = _copy(converted, "tiny-deepseek-v3", fmt, "gfx950", tmp_path)
+    name = "model.layers.2.mlp.experts.w13_weight"
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        from atom_convert.quant.shuffle import unshuffle16
+
+        plain = unshuffle16(t)
+        g, u = plain.chunk(2, 1)
+        return shuffle16(torch.cat([u, g], 1))
+
+    _rewrite(dst, name, swap)
+    _fails_naming(dst, tiny_checkpoint("tiny-deepseek-v3", fmt), name)
+    # the forward check sees it too: the MoE layer's output no longer matches transformers
+    r = verify(dst, tiny_checkpoint("tiny-deepseek-v3", fmt), tokens=8)
+    assert any(row["what"] == "layer 2 output" and not row["ok"] for row in r.rows)
