@@ -92,9 +92,18 @@ def load_aiter(pkg: str = "_aiter_oracle") -> tuple[types.ModuleType, types.Modu
 
 def fp8_block_dequantize_dir(src: Path, out: Path) -> Path:
     """compressed-tensors' FP8BlockDequantizer, file to file: bf16 weights, scales dropped.
-    Correct for partial blocks, unlike transformers' CPU fallback (docs/test-fixtures.md §2)."""
+    Correct for partial blocks, unlike transformers' CPU fallback (docs/test-fixtures.md §2).
+
+    With partial *column* blocks compressed-tensors 0.20.1 returns a non-contiguous crop that
+    safetensors refuses to save; the only change here is `.contiguous()` on its result, the
+    arithmetic is compressed-tensors' own.
+    """
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-    convert_checkpoint(str(src), str(out), FP8BlockDequantizer.from_pretrained(str(src)), max_workers=1, device="cpu")
+    class Contiguous(FP8BlockDequantizer):
+        def _create_dequantized_weight(self, weight, weight_scale_inv):  # type: ignore[no-untyped-def]
+            return super()._create_dequantized_weight(weight, weight_scale_inv).contiguous()
+
+    convert_checkpoint(str(src), str(out), Contiguous.from_pretrained(str(src)), max_workers=1, device="cpu")
     return out
