@@ -101,7 +101,10 @@ def _write_set(layout: SetLayout, directory: Path, tp: int, progress: Callable[[
                 cache: dict[str, Any] = {}
                 for out in group.outputs:
                     writer.write(rank, out, out.produce(rank, cache))
-                src.release()  # unmap this group's source pages
+            # Wait for the writes of this group: queued buffers may be views of source pages,
+            # and the next group must start with none of them alive (bounded working set).
+            writer.drain()
+            src.release()  # unmap this group's source pages
         return writer.close(), writer.tensor_file
     except BaseException:
         writer.abort()
@@ -129,7 +132,13 @@ def _staging(dst: Path) -> Iterator[Path]:
         if dst.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.rename(dst, old / "x")
-        os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            if old is not None:  # put the previous DST back before reporting the failure
+                os.rename(old / "x", dst)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

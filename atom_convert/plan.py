@@ -81,17 +81,22 @@ class ShardPlan:
 def assign_shards(outputs: list[OutTensor], rank: int, tp: int, max_bytes: int, prefix: str = "model") -> list[ShardPlan]:
     """Greedy, in load order: a shard closes when the next tensor would pass `max_bytes`
     (a tensor larger than the budget gets a shard of its own)."""
-    groups: list[tuple[list[str], int]] = [([], 0)]
+    # The budget covers the whole file: tensor bytes plus the JSON header (an upper bound of
+    # each tensor's entry: name, dtype code, shape and two offsets of up to 20 digits).
+    base = 8 + len('{"__metadata__":{"format":"pt"}}') + 8
+    groups: list[tuple[list[str], int]] = [([], base)]
     for o in outputs:
+        cost = o.nbytes + len(o.name) + len(str(list(o.shape))) + 90
         names, size = groups[-1]
-        if names and size + o.nbytes > max_bytes:
-            groups.append(([], 0))
+        if names and size + cost > max_bytes:
+            groups.append(([], base))
             names, size = groups[-1]
         names.append(o.name)
-        groups[-1] = (names, size + o.nbytes)
+        groups[-1] = (names, size + cost)
     n = len(groups)
     tag = f"-rank{rank}" if tp > 1 else ""
+    by_name = {o.name: o.nbytes for o in outputs}
     return [
-        ShardPlan(f"{prefix}{tag}-{k + 1:05d}-of-{n:05d}.safetensors", rank, names, size)
-        for k, (names, size) in enumerate(groups)
+        ShardPlan(f"{prefix}{tag}-{k + 1:05d}-of-{n:05d}.safetensors", rank, names, sum(by_name[x] for x in names))
+        for k, (names, _) in enumerate(groups)
     ]

@@ -63,15 +63,25 @@ class _IOThread:
     def _run(self) -> None:
         while True:
             item = self._q.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue
-            fn, args = item
             try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001  re-raised on the main thread
-                self._error = e
+                if item is None:
+                    return
+                if self._error is None:
+                    fn, args = item
+                    try:
+                        fn(*args)
+                    except BaseException as e:  # noqa: BLE001  re-raised on the main thread
+                        self._error = e
+                    del fn, args
+                del item  # do not keep the last buffer (and the file pages it views) alive
+            finally:
+                self._q.task_done()
+
+    def drain(self) -> None:
+        """Block until every submitted write is done."""
+        self._q.join()
+        if self._error is not None:
+            raise self._error
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._error is not None:
@@ -168,6 +178,9 @@ class ShardSetWriter:
         if sh.pos == len(sh.expected):
             self.io.submit(self._finish, sh)
             self.current[rank] = None
+
+    def drain(self) -> None:
+        self.io.drain()
 
     def close(self) -> list[WrittenFile]:
         self.io.close()

@@ -339,7 +339,7 @@ def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, wh
             w, s = d.weight, d.scale
         if s is not None:
             w, s = to_target_fp8(w, s, ctx.target)
-            scales.append(s)
+            scales.append(s.clone())  # a copy: a view would keep this expert's file pages mapped
         # bf16 experts are shuffled too (Ke = 8), unlike bf16 linears (spec §3.1).
         yield shuffle16(w).unsqueeze(0)
         ctx.src.release()  # unmap what this expert touched: RSS stays at one expert

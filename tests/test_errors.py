@@ -1,0 +1,629 @@
+"""Bad input: every user-fixable problem exits with code 2 through the real entry
+point (`atom_convert.cli.main`, which maps exceptions to exit codes), names the
+file and tensor with the expected and the actual value, and leaves neither DST
+nor a temporary directory behind. The same problems raise `BadInputError`
+subclasses through the Python API. A failure while writing (not bad input)
+also leaves nothing behind, and never destroys an existing DST.
+
+The session fixtures are never mutated: every corruption works on a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import atom_convert
+import atom_convert.loaders.deepseek as deepseek_mod
+from atom_convert import BadInputError
+from atom_convert.cli import main
+from atom_convert.errors import CheckpointError, DestinationExistsError, UnsupportedError
+from atom_convert.source import INDEX_NAME
+from atom_convert.synth import build_tiny, load_preset
+from atom_convert.writer import ShardSetWriter
+
+PRESET = "tiny-deepseek-v3"
+SHARD1 = "model-00001-of-00002.safetensors"
+SHARD2 = "model-00002-of-00002.safetensors"
+# `atom_convert.convert` is the function (the package re-exports it); this is the module
+convert_mod = importlib.import_module("atom_convert.convert")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def copy_source(tiny_checkpoint: Callable[..., Path], tmp_path: Path, preset: str = PRESET, fmt: str = "fp8") -> Path:
+    """A private, writable copy of a session source checkpoint."""
+    dst = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint(preset, fmt), dst)
+    return dst
+
+
+def read_index(src: Path) -> dict[str, Any]:
+    return json.loads((src / INDEX_NAME).read_text())
+
+
+def write_index(src: Path, index: dict[str, Any]) -> None:
+    (src / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def file_of(src: Path, name: str) -> str:
+    return read_index(src)["weight_map"][name]
+
+
+def edit_shard(src: Path, shard: str, edit: Callable[[dict[str, torch.Tensor]], None], *, update_index: bool = True) -> None:
+    """Rewrite one shard after `edit` changed its tensor dict; optionally bring the index in line."""
+    path = src / shard
+    tensors = {k: v.clone() for k, v in load_file(str(path)).items()}
+    before = set(tensors)
+    edit(tensors)
+    tmp = path.with_name(path.name + ".new")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    if update_index:
+        index = read_index(src)
+        wm = index["weight_map"]
+        for gone in before - set(tensors):
+            del wm[gone]
+        for new in set(tensors) - before:
+            wm[new] = shard
+        write_index(src, index)
+
+
+def edit_config(src: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def run_cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`atom-convert ARGS` through the real entry point; (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        main([str(a) for a in args])
+    cap = capsys.readouterr()
+    code = ei.value.code
+    return (0 if code is None else code), cap.out, cap.err
+
+
+def leftovers(dst: Path) -> list[str]:
+    """Staging directories of DST left in its parent."""
+    return sorted(p.name for p in dst.parent.iterdir()
+                  if p.name.startswith((f".{dst.name}.tmp-", f".{dst.name}.old-")))
+
+
+def assert_nothing_written(dst: Path) -> None:
+    assert not dst.exists(), f"{dst} was created by a failed conversion"
+    assert leftovers(dst) == [], f"temporary directories left beside {dst}: {leftovers(dst)}"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------
+# The bad-input cases: each prepares a source and says what the error must contain.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    src: Path
+    error: type[BadInputError]
+    expect: list[str]  # substrings of the message: file, tensor, expected value, actual value
+    options: dict[str, Any] = field(default_factory=dict)  # API keywords (tp=...)
+
+    def cli_args(self) -> list[str]:
+        return [f"--tp={self.options['tp']}"] if "tp" in self.options else []
+
+
+@pytest.fixture(scope="module")
+def qlora192_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real fp8 DeepSeek-V3-shaped checkpoint whose q_lora_rank (192) is not a multiple of 128."""
+    cfg = load_preset(PRESET)
+    cfg["q_lora_rank"] = 192
+    return build_tiny(cfg, tmp_path_factory.mktemp("qlora192") / "src", fmt="fp8", seed=3, shards=2)
+
+
+def _missing_scale(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    edit_shard(src, file_of(src, name), lambda t: t.pop(name))
+    # o_proj is [H, Nh*V] = [320, 256]: a [3, 2] grid of 128x128 blocks
+    return Case(src, CheckpointError, [f"missing tensor {name}", "[3, 2]", "model.layers.1.self_attn.o_proj.weight"])
+
+
+def _missing_weight(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    edit_shard(src, file_of(src, name), lambda t: t.pop(name))
+    return Case(src, CheckpointError, [f"missing tensor {name}", "float8_e4m3fn", "[320, 256]"])
+
+
+def _index_lists_absent_tensor(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.1.self_attn.kv_a_layernorm.weight"
+    shard = file_of(src, name)
+    edit_shard(src, shard, lambda t: t.pop(name), update_index=False)
+    return Case(src, CheckpointError, [INDEX_NAME, name, shard, "does not contain it"])
+
+
+def _unmapped_extra(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.1.mlp.foo.weight"
+
+    def add(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.ones(4, 6, dtype=torch.bfloat16)
+
+    edit_shard(src, SHARD1, add)
+    return Case(src, CheckpointError, [SHARD1, f"unmapped tensor {name}", "bfloat16", "[4, 6]"])
+
+
+def _wrong_shape(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    shard = file_of(src, name)
+
+    def reshape(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.zeros(320, 384).to(torch.float8_e4m3fn)
+
+    edit_shard(src, shard, reshape)
+    return Case(src, CheckpointError, [shard, name, "[320, 384]", "expected [320, 256]"])
+
+
+def _wrong_shape_norm(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.norm.weight"
+    shard = file_of(src, name)
+
+    def reshape(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.ones(321, dtype=torch.bfloat16)
+
+    edit_shard(src, shard, reshape)
+    return Case(src, CheckpointError, [shard, name, "[321]", "expected [320]"])
+
+
+def _scale_grid(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    shard = file_of(src, name)
+
+    def regrid(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.ones(3, 3)
+
+    edit_shard(src, shard, regrid)
+    return Case(src, CheckpointError, [shard, name, "scale grid", "[3, 3]", "expected [3, 2]"])
+
+
+def _wrong_dtype(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.2.self_attn.q_b_proj.weight"
+    shard = file_of(src, name)
+
+    def to_bf16(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name].to(torch.bfloat16)
+
+    edit_shard(src, shard, to_bf16)
+    return Case(src, CheckpointError, [shard, name, "bfloat16", "expected float8_e4m3fn"])
+
+
+def _truncated(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    path = src / SHARD2
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    # safetensors data runs to the end of the file: the header promises `size` bytes
+    return Case(src, CheckpointError, [SHARD2, "truncated", str(size), str(size - 100)])
+
+
+def _missing_file(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    n = sum(1 for f in read_index(src)["weight_map"].values() if f == SHARD2)
+    (src / SHARD2).unlink()
+    return Case(src, CheckpointError, [INDEX_NAME, SHARD2, f"({n} tensors)", "does not exist"])
+
+
+def _not_in_index(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    index = read_index(src)
+    shard = index["weight_map"].pop(name)
+    write_index(src, index)
+    return Case(src, CheckpointError, [shard, name, INDEX_NAME, "does not list"])
+
+
+def _quark(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+
+    def quark(cfg: dict[str, Any]) -> None:
+        cfg["quantization_config"] = {
+            "quant_method": "quark",
+            "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
+            "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32}},
+        }
+
+    edit_config(src, quark)
+    return Case(src, UnsupportedError, ["config.json", "'quark'", "not supported", "fp8-block", "bf16"])
+
+
+def _compressed_tensors(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+
+    def ct(cfg: dict[str, Any]) -> None:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                              "strategy": "block",
+                                                                              "block_structure": [128, 128]}}},
+            "ignore": ["lm_head"],
+        }
+
+    edit_config(src, ct)
+    return Case(src, UnsupportedError, ["config.json", "'compressed-tensors'", "not supported", "fp8-block"])
+
+
+def _architecture(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    edit_config(src, lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"))
+    return Case(src, UnsupportedError, ["config.json", "'LlamaForCausalLM'", "not supported",
+                                        "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+
+
+def _model_type(tc: Callable[..., Path], tmp: Path) -> Case:
+    src = copy_source(tc, tmp)
+    edit_config(src, lambda c: c.update(model_type="qwen3_moe"))
+    return Case(src, UnsupportedError, ["config.json", "'qwen3_moe'", "DeepseekV3ForCausalLM", "deepseek_v3", "kimi_k2"])
+
+
+def _qlora_not_multiple_of_128(tc: Callable[..., Path], tmp: Path, q192: Path) -> Case:
+    # read-only use of a module fixture: nothing to copy
+    return Case(q192, UnsupportedError, ["model.layers.0.self_attn.q_a_proj", "q_lora_rank 192", "multiple of 128",
+                                         "fused_qkv_a_proj"])
+
+
+def _tp_heads(tc: Callable[..., Path], tmp: Path) -> Case:
+    # 4 heads, vocab 512: tp=8 divides the vocabulary but not the heads
+    return Case(tc(PRESET, "fp8"), UnsupportedError, ["num_attention_heads 4", "tp=8"], {"tp": 8})
+
+
+def _tp_vocab(tc: Callable[..., Path], tmp: Path) -> Case:
+    return Case(tc(PRESET, "bf16"), UnsupportedError, ["model.embed_tokens.weight", "vocab size 512", "tp=3"], {"tp": 3})
+
+
+CASES: dict[str, Callable[..., Case]] = {
+    "missing-scale": _missing_scale,
+    "missing-weight": _missing_weight,
+    "index-lists-absent-tensor": _index_lists_absent_tensor,
+    "unmapped-extra-tensor": _unmapped_extra,
+    "wrong-shape": _wrong_shape,
+    "wrong-shape-norm": _wrong_shape_norm,
+    "scale-grid-mismatch": _scale_grid,
+    "wrong-dtype": _wrong_dtype,
+    "truncated-shard": _truncated,
+    "index-names-missing-file": _missing_file,
+    "shard-tensor-not-in-index": _not_in_index,
+    "quant-quark": _quark,
+    "quant-compressed-tensors": _compressed_tensors,
+    "unsupported-architecture": _architecture,
+    "unsupported-model-type": _model_type,
+    "fp8-q-lora-rank-192": _qlora_not_multiple_of_128,
+    "tp-does-not-divide-heads": _tp_heads,
+    "tp-does-not-divide-vocab": _tp_vocab,
+}
+
+
+@pytest.fixture
+def case(request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Case:
+    make = CASES[request.param]
+    if make is _qlora_not_multiple_of_128:
+        return make(tiny_checkpoint, tmp_path, request.getfixturevalue("qlora192_source"))
+    return make(tiny_checkpoint, tmp_path)
+
+
+@pytest.mark.parametrize("case", list(CASES), indirect=True)
+def test_cli_bad_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "out" / "dst"
+    dst.parent.mkdir()
+    code, out, err = run_cli(["convert", case.src, dst, *case.cli_args()], capsys)
+    assert code == 2, f"exit code {code}, stderr:\n{err}"
+    assert err.startswith("error: "), err
+    assert "internal error" not in err and "Traceback" not in err
+    for s in case.expect:
+        assert s in err, f"{s!r} not in the message:\n{err}"
+    assert_nothing_written(dst)
+
+
+@pytest.mark.parametrize("case", list(CASES), indirect=True)
+def test_api_bad_input(case: Case, tmp_path: Path) -> None:
+    dst = tmp_path / "out" / "dst"
+    dst.parent.mkdir()
+    with pytest.raises(BadInputError) as ei:
+        atom_convert.convert(case.src, dst, **case.options)
+    assert isinstance(ei.value, case.error), f"{type(ei.value).__name__}: {ei.value}"
+    assert isinstance(ei.value, atom_convert.AtomConvertError) and ei.value.exit_code == 2
+    msg = str(ei.value)
+    for s in case.expect:
+        assert s in msg, f"{s!r} not in the message:\n{msg}"
+    assert_nothing_written(dst)
+
+
+@pytest.mark.parametrize("case", ["missing-scale", "unsupported-architecture"], indirect=True)
+def test_dry_run_reports_the_same_errors(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "dst"
+    code, out, err = run_cli(["convert", case.src, dst, "--dry-run", *case.cli_args()], capsys)
+    assert code == 2
+    for s in case.expect:
+        assert s in err
+    assert_nothing_written(dst)
+
+
+def test_every_problem_is_reported_at_once(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Several problems in one checkpoint: all of them in one message (one pass to fix)."""
+    src = copy_source(tiny_checkpoint, tmp_path)
+    scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    weight = "model.layers.2.mlp.experts.5.down_proj.weight"
+    edit_shard(src, file_of(src, scale), lambda t: t.pop(scale))
+    edit_shard(src, file_of(src, weight), lambda t: t.update({weight: t[weight].to(torch.bfloat16)}))
+    dst = tmp_path / "dst"
+    code, _, err = run_cli(["convert", src, dst], capsys)
+    assert code == 2
+    assert "2 problem(s)" in err
+    assert f"missing tensor {scale}" in err and f"tensor {weight} has dtype torch.bfloat16" in err
+    assert_nothing_written(dst)
+
+
+def test_real_entry_point_subprocess(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """The console script's own process: exit status 2 and the message on stderr, nothing on stdout."""
+    case = _truncated(tiny_checkpoint, tmp_path)
+    dst = tmp_path / "dst"
+    r = subprocess.run([sys.executable, "-c", "from atom_convert.cli import main; main()", "convert",
+                        str(case.src), str(dst)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    for s in case.expect:
+        assert s in r.stderr
+    assert_nothing_written(dst)
+
+
+def test_source_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    dst = tmp_path / "dst"
+    code, _, err = run_cli(["convert", empty, dst], capsys)
+    assert code == 2 and "config.json" in err and str(empty) in err
+    (empty / "config.json").write_text(json.dumps(load_preset(PRESET)))
+    code, _, err = run_cli(["convert", empty, dst], capsys)
+    assert code == 2 and "model.safetensors" in err and INDEX_NAME in err
+    code, _, err = run_cli(["convert", tmp_path / "nope", dst], capsys)
+    assert code == 2 and "not a directory" in err
+    assert_nothing_written(dst)
+
+
+def test_usage_errors_exit_2(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    src = tiny_checkpoint(PRESET, "fp8")
+    dst = tmp_path / "dst"
+    for extra in (["--tp", "0"], ["--target", "gfx90a"], ["--shard-size", "lots"]):
+        code, _, err = run_cli(["convert", src, dst, *extra], capsys)
+        assert code == 2, (extra, err)
+        assert err.strip(), extra
+    assert_nothing_written(dst)
+
+
+# ------------------------------------------------------------------------------------------------
+# Existing destination
+# ------------------------------------------------------------------------------------------------
+
+
+def test_existing_dst_without_force_is_untouched(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, out, err = run_cli(["convert", tiny_checkpoint(PRESET, "fp8"), dst], capsys)
+    assert code == 2
+    assert str(dst) in err and "already exists" in err and "--force" in err
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+    assert (dst / "keep.txt").read_text() == "mine"
+    assert leftovers(dst) == []
+    with pytest.raises(DestinationExistsError):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+
+
+def test_existing_dst_with_force_is_replaced(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, out, err = run_cli(["convert", tiny_checkpoint(PRESET, "fp8"), dst, "--force"], capsys)
+    assert code == 0, err
+    assert not (dst / "keep.txt").exists()
+    assert (dst / "atom_manifest.json").is_file() and (dst / "mtp" / "atom_manifest.json").is_file()
+    assert leftovers(dst) == []
+    code, out, err = run_cli(["verify", dst], capsys)
+    assert code == 0, out
+
+
+def test_existing_dst_with_force_survives_bad_input(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    case = _scale_grid(tiny_checkpoint, tmp_path)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, _, err = run_cli(["convert", case.src, dst, "--force"], capsys)
+    assert code == 2 and "scale grid" in err
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+    assert leftovers(dst) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Failures in the middle of writing
+# ------------------------------------------------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _fail_writer_after(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseException) -> dict[str, int]:
+    calls = {"n": 0, "raised": 0}
+    real = ShardSetWriter.write
+
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] > n:
+            calls["raised"] += 1
+            raise exc
+        real(self, rank, out, chunks)
+
+    monkeypatch.setattr(ShardSetWriter, "write", write)
+    return calls
+
+
+@pytest.mark.parametrize("after", [3, 60], ids=["in-mtp-set", "in-main-set"])
+def test_writer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    calls = _fail_writer_after(monkeypatch, after, Boom("disk on fire"))
+    dst = tmp_path / "dst"
+    with pytest.raises(Boom):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    assert calls["raised"] == 1 and calls["n"] == after + 1
+    assert_nothing_written(dst)
+
+
+def test_producer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer raising half-way through a stacked expert tensor (after some experts were written)."""
+    real = deepseek_mod.shuffle16
+    calls = {"n": 0}
+
+    def shuffle16(w: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise Boom("shuffle failed")
+        return real(w)
+
+    monkeypatch.setattr(deepseek_mod, "shuffle16", shuffle16)
+    dst = tmp_path / "dst"
+    with pytest.raises(Boom):
+        atom_convert.convert(tiny_checkpoint(PRESET, "bf16"), dst)
+    assert calls["n"] == 25
+    assert_nothing_written(dst)
+
+
+def test_io_thread_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write error on the background IO thread (disk full) reaches the caller and cleans up."""
+    real = ShardSetWriter._write
+    calls = {"n": 0}
+
+    def _write(sh: Any, buf: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise OSError(28, "No space left on device")
+        real(sh, buf)
+
+    monkeypatch.setattr(ShardSetWriter, "_write", staticmethod(_write))
+    dst = tmp_path / "dst"
+    with pytest.raises(OSError, match="No space left"):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    assert_nothing_written(dst)
+
+
+def test_interrupt_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_writer_after(monkeypatch, 30, KeyboardInterrupt())
+    dst = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    assert_nothing_written(dst)
+
+
+def test_cli_write_failure_is_internal_error(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _fail_writer_after(monkeypatch, 10, Boom("disk on fire"))
+    dst = tmp_path / "dst"
+    code, _, err = run_cli(["convert", tiny_checkpoint(PRESET, "fp8"), dst], capsys)
+    assert code == 1
+    assert "internal error" in err and "disk on fire" in err
+    assert_nothing_written(dst)
+
+
+@pytest.fixture
+def existing_dst(converted: Callable[..., Path], tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    dst = tmp_path / "dst"
+    shutil.copytree(converted(PRESET, "fp8", "gfx950"), dst)
+    return dst, tree_digest(dst)
+
+
+@pytest.mark.parametrize("after", [3, 60], ids=["in-mtp-set", "in-main-set"])
+def test_force_replacement_failure_keeps_old_dst(tiny_checkpoint: Callable[..., Path], existing_dst: tuple[Path, dict[str, str]],
+                                                 monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    dst, digest = existing_dst
+    _fail_writer_after(monkeypatch, after, Boom("disk on fire"))
+    with pytest.raises(Boom):
+        atom_convert.convert(tiny_checkpoint(PRESET, "bf16"), dst, force=True)
+    assert tree_digest(dst) == digest
+    assert leftovers(dst) == []
+
+
+def test_force_replacement_failing_at_the_final_rename_keeps_old_dst(
+        tiny_checkpoint: Callable[..., Path], existing_dst: tuple[Path, dict[str, str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last step swaps DST for the finished temporary directory with two renames
+    (DST aside, then tmp -> DST). If the second fails, the old DST must come back."""
+    dst, digest = existing_dst
+    real = os.rename
+    calls = {"n": 0}
+
+    def rename(a: Any, b: Any) -> None:
+        calls["n"] += 1
+        if Path(a).name.startswith(f".{dst.name}.tmp-") and Path(b) == dst:
+            raise OSError(16, "Device or resource busy")
+        real(a, b)
+
+    monkeypatch.setattr(convert_mod.os, "rename", rename)
+    with pytest.raises(OSError):
+        atom_convert.convert(tiny_checkpoint(PRESET, "bf16"), dst, force=True)
+    monkeypatch.undo()
+    assert dst.is_dir(), f"the old {dst.name} is gone; left beside it: {leftovers(dst)}"
+    assert tree_digest(dst) == digest
+    assert leftovers(dst) == []
+
+
+def test_failed_conversion_closes_source_files(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failure the source can be deleted/replaced: no file handle stays open on it."""
+    src = copy_source(tiny_checkpoint, tmp_path)
+    _fail_writer_after(monkeypatch, 20, Boom("x"))
+    with pytest.raises(Boom):
+        atom_convert.convert(src, tmp_path / "dst")
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [f for f in fds if f.startswith(str(src.resolve()))]
+    out = tmp_path / "dst"
+    assert_nothing_written(out)
+    # the source is intact: converting it again works
+    monkeypatch.undo()
+    atom_convert.convert(src, out)
+    assert (out / "atom_manifest.json").is_file() and leftovers(out) == []
