@@ -10,7 +10,6 @@ for layout steps, within fp8 rounding for the re-quantised MLA operands.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ import torch
 from .errors import ConvertedCheckError
 from .manifest import read_manifest, sha256_file
 from .quant.formats import ST_DTYPE, dtype_from_name
-from .quant.fp8_block import block_dequant
-from .quant.shuffle import unshuffle16
+from .decode import decode_mla, decode_weight, source_value, unpad_moe
 from .reader import ConvertedCheckpoint
 from .source import SourceCheckpoint, read_safetensors_header
 
@@ -91,30 +89,6 @@ def check_files(path: str | Path, report: CheckReport | None = None) -> CheckRep
 # ------------------------------------------------------------------------------------------------
 
 
-def _decode(ck: ConvertedCheckpoint, name: str) -> torch.Tensor:
-    """fp32 values of a converted weight in plain [.., N, K] order (shuffle undone, scales applied)."""
-    e = ck.entry(name)
-    w = ck.get(name)
-    if e["is_shuffled"]:
-        w = unshuffle16(w)
-    base = name.removesuffix("_weight").removesuffix(".weight")
-    sname = name + "_scale" if name.endswith("_weight") else base + ".weight_scale"
-    if sname in ck.manifest["tensors"]:
-        s = ck.get(sname)
-        if w.dim() == 3:
-            return torch.stack([block_dequant(w[i], s[i]) for i in range(w.shape[0])])
-        return block_dequant(w, s)
-    return w.float()
-
-
-def _src_value(src: SourceCheckpoint, weight_name: str) -> torch.Tensor:
-    w = src.get(weight_name)
-    sname = weight_name.removesuffix(".weight") + ".weight_scale_inv"
-    if w.dtype == torch.float8_e4m3fn and sname in src:
-        return block_dequant(w, src.get(sname))
-    return w.float()
-
-
 def _split(full: torch.Tensor, have: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
     """The rank's slice of `full`, on whichever dim the converted shape is 1/tp of."""
     if tuple(full.shape) == have:
@@ -126,10 +100,20 @@ def _split(full: torch.Tensor, have: tuple[int, ...], rank: int, tp: int) -> tor
     raise ConvertedCheckError(f"cannot relate source shape {list(full.shape)} to converted {list(have)} at tp={tp}")
 
 
-_MLA = re.compile(r"(.*)\.self_attn\.mla_attn\.impl\.W_K$")
+def _expected_experts(src: SourceCheckpoint, name: str, weights: list[str], got: torch.Tensor, rank: int,
+                      tp: int) -> torch.Tensor:
+    per = len(weights) // got.shape[0]
+    parts = [weights[i * per:(i + 1) * per] for i in range(got.shape[0])]
+    if name.endswith("w13_weight"):
+        half = (got.shape[1] // 2, got.shape[2])
+        return torch.stack([torch.cat([_split(source_value(src, n), half, rank, tp) for n in p if "down_proj" not in n])
+                            for p in parts])
+    return torch.stack([_split(source_value(src, [n for n in p if "down_proj" in n][0]), tuple(got.shape[1:]), rank, tp)
+                        for p in parts])
 
 
 def check_values(path: str | Path, source: str | Path, report: CheckReport | None = None) -> CheckReport:
+    """Decode every converted tensor and compare it with the source tensors it came from."""
     report = report or CheckReport()
     src = SourceCheckpoint(source)
     for root, m in _sets(Path(path)):
@@ -137,33 +121,27 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
         for rank in range(tp):
             ck = ConvertedCheckpoint(root, rank)
             for name, e in m["tensors"].items():
-                if name.endswith(("_scale", "W_V")) or "mla_attn" in name and not name.endswith("W_K"):
+                if name.endswith("_scale") or name.endswith(".W_V"):
                     continue
-                got = None
-                mm = _MLA.match(name)
-                if mm:
-                    _check_mla(ck, src, mm.group(1), e["sources"], rank, tp, report)
+                if name.endswith(".W_K"):
+                    _check_mla(ck, src, name.removesuffix(".W_K"), e["sources"], rank, tp, report)
                     continue
-                weights = [s for s in e["sources"] if not s.endswith("_scale_inv")]
-                got = _decode(ck, name)
+                weights = [s for s in e["sources"] if not s.endswith(("_scale_inv", ".weight_scale"))]
+                got = decode_weight(ck, name)
                 if got.dim() == 3:  # stacked experts: per expert [gate; up] or down
-                    per = len(weights) // got.shape[0]
-                    parts = [weights[i * per:(i + 1) * per] for i in range(got.shape[0])]
-                    if name.endswith("w13_weight"):
-                        exp = torch.stack([torch.cat([_split(_src_value(src, n), (got.shape[1] // 2, got.shape[2]), rank, tp)
-                                                      for n in p if "down_proj" not in n]) for p in parts])
-                    else:
-                        exp = torch.stack([_split(_src_value(src, [n for n in p if "down_proj" in n][0]),
-                                                  tuple(got.shape[1:]), rank, tp) for p in parts])
+                    which = "w13" if name.endswith("w13_weight") else "w2"
+                    got = unpad_moe(got, e, which)
+                    exp = _expected_experts(src, name, weights, got, rank, tp)
                 else:
-                    vals = [_src_value(src, n) for n in weights]
+                    vals = [source_value(src, n) for n in weights]
                     if len(vals) > 1 and got.shape[0] != sum(v.shape[0] for v in vals):
                         exp = torch.cat([_split(v, (v.shape[0] // tp, *v.shape[1:]), rank, tp) for v in vals])
                     else:
                         exp = _split(torch.cat(vals) if len(vals) > 1 else vals[0], tuple(got.shape), rank, tp)
-                    exp = exp.to(dtype_from_name(e["dtype"])).float() if e["dtype"] == "bfloat16" else exp
+                    if e["dtype"] == "bfloat16":  # bf16 outputs of fp32 sources (router) are rounded
+                        exp = exp.to(torch.bfloat16).float()
                 if not torch.equal(got, exp):
-                    bad = (got != exp).sum().item()
+                    bad = int((got != exp).sum())
                     report.problems.append(f"{root.name}/rank{rank}: {name} differs from its sources in {bad} element(s)")
                 report.values_checked += 1
             ck.close()
@@ -171,22 +149,26 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
     return report
 
 
-def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, prefix: str, sources: list[str], rank: int, tp: int,
+def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, owner: str, sources: list[str], rank: int, tp: int,
                report: CheckReport) -> None:
-    """W_K/W_V decode to the rank's kv_b heads within fp8 rounding (they are re-quantised, spec §4.1)."""
-    kvb = _src_value(src, [s for s in sources if s.endswith(".weight")][0]).to(torch.bfloat16).float()
-    owner = f"{prefix}.self_attn.mla_attn.impl"
-    wk = ck.get(f"{owner}.W_K").float() * ck.get(f"{owner}.W_K_scale")
-    wv = ck.get(f"{owner}.W_V").float() * ck.get(f"{owner}.W_V_scale")
+    """W_K/W_V decode to the rank's kv_b heads within their format's rounding (they are
+    re-quantised, spec §4.1/§4.2): fp8 e4m3 moves a value by at most 2^-4 of the tensor's amax;
+    MXFP4 e2m1 (1 mantissa bit, one scale per 32) by at most 2^-2 of its block's amax."""
+    kvb = source_value(src, [s for s in sources if s.endswith(".weight")][0]).to(torch.bfloat16).float()
+    wk, wv = decode_mla(ck, owner)
+    mxfp4 = ck.entry(f"{owner}.W_K").get("runtime_dtype") is not None
     nr, L, P = wk.shape
     V = wv.shape[1]
     x = kvb.view(-1, P + V, L)[rank * nr:(rank + 1) * nr]
-    for label, got, exp in (("W_K", wk, x[:, :P, :].transpose(1, 2)), ("W_V", wv, x[:, P:, :])):
-        amax = float(exp.abs().max())
-        # fp8 e4m3 keeps 3 mantissa bits: rounding error <= 2^-4 relative to each value, and
-        # values below the smallest normal lose more; bound by amax * 2^-4 overall.
-        err = float((got - exp).abs().max()) / max(amax, 1e-30)
+    for label, got, exp in ((f"{owner}.W_K", wk, x[:, :P, :].transpose(1, 2)), (f"{owner}.W_V", wv, x[:, P:, :])):
+        if mxfp4:  # relative to each 32-block's amax along the last dim
+            blocks = exp.reshape(*exp.shape[:-1], -1, 32).abs().amax(-1, keepdim=True).clamp(min=1e-30)
+            err = float(((got - exp).reshape(blocks.shape[:-1] + (32,)).abs() / blocks).max())
+            bound = 2.0**-2
+        else:
+            err = float((got - exp).abs().max()) / max(float(exp.abs().max()), 1e-30)
+            bound = 2.0**-4
         report.max_mla_rel_err = max(report.max_mla_rel_err, err)
-        if err > 2.0**-4:
-            report.problems.append(f"rank{rank}: {owner}.{label} decodes {err:.3g} (relative to amax) away from kv_b")
+        if err > bound:
+            report.problems.append(f"rank{rank}: {label} decodes {err:.3g} (relative to amax) away from kv_b")
         report.values_checked += 1

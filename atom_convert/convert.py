@@ -73,13 +73,13 @@ def parse_size(text: str | int) -> int:
 
 
 def make_plan(src: SourceCheckpoint, *, target: str = "gfx950", tp: int = 1, mtp: bool = True,
-              profile: str = "atom") -> ConversionPlan:
+              profile: str = "atom", mla_bmm: str = "fp8") -> ConversionPlan:
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
     fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
     loader = loaders.get_loader(spec)
-    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp)
+    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp, mla_bmm=mla_bmm)
 
 
 def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, SetLayout | None]:
@@ -148,7 +148,7 @@ def _staging(dst: Path) -> Iterator[Path]:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
-            progress: bool = False, profile: str = "atom") -> dict[str, Any]:
+            progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8") -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
@@ -160,6 +160,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         mtp: convert the DeepSeek-V3/R1 MTP layer into `dst/mtp/` (False drops it).
         force: replace an existing `dst`.
         progress: show a tqdm bar in bytes.
+        mla_bmm: "fp8" (default) or "mxfp4" (gfx950, ATOM_USE_TRITON_MXFP4_BMM=1): the format of the
+            MLA operands W_K/W_V.
 
     Returns:
         The manifest (also written to `dst/atom_manifest.json`).
@@ -173,7 +175,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
     source = SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
     total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards for s in r)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
@@ -198,10 +200,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 
 
 def plan_summary(src: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
-                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True) -> dict[str, Any]:
+                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8") -> dict[str, Any]:
     """The dry-run plan: every output tensor with dtype, shape, bytes and shard; reads no tensor data."""
     source = SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
     sets = []
     for role, lay in (("main", main), ("mtp", mtp_layout)):
@@ -211,7 +213,8 @@ def plan_summary(src: str | os.PathLike[str], target: str = "gfx950", *, tp: int
         for rank, shards in enumerate(lay.shards):
             file_of = {n: s.file for s in shards for n in s.names}
             for o in lay.plan.outputs():
-                rows.append({"rank": rank, "name": o.name, "dtype": str(o.dtype).removeprefix("torch."),
+                rows.append({"rank": rank, "name": o.name,
+                             "dtype": o.runtime_dtype or str(o.dtype).removeprefix("torch."),
                              "shape": list(o.shape), "bytes": o.nbytes,
                              "file": (f"{MTP_DIR}/" if role == "mtp" else "") + file_of[o.name]})
         sets.append({"role": role, "tensors": rows,

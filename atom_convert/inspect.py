@@ -43,7 +43,32 @@ def _describe_source(path: Path) -> dict[str, Any]:
                    "mtp": spec.n_mtp, "present in files": len(layers)},
         "dims": {"hidden": spec.H, "heads": spec.Nh, "q_lora_rank": spec.Q, "kv_lora_rank": spec.L,
                  "experts": spec.E, "shared_experts": spec.S, "moe_intermediate": spec.I, "vocab": spec.vocab},
+        "layer formats": layer_formats(spec, fmt),
     }
+
+
+def layer_formats(spec: ModelSpec, fmt: Any) -> dict[str, str]:
+    """Per layer, the format each group of linears resolves to in the source's quant config,
+    e.g. 'self_attn: bf16; mlp.experts: mxfp4; mlp.shared_experts: bf16'."""
+    out = {}
+    for i in range(spec.n_layers + spec.n_mtp):
+        p = f"model.layers.{i}."
+        groups: dict[str, list[str]] = {
+            "self_attn": (["q_a_proj", "q_b_proj"] if spec.Q else ["q_proj"])
+            + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+        }
+        if spec.is_moe_layer(i):
+            groups["mlp.experts"] = [f"{e}.{n}" for e in range(spec.E) for n in ("gate_proj", "up_proj", "down_proj")]
+            if spec.S:
+                groups["mlp.shared_experts"] = ["gate_proj", "up_proj", "down_proj"]
+        else:
+            groups["mlp"] = ["gate_proj", "up_proj", "down_proj"]
+        parts = []
+        for g, mods in groups.items():
+            names = sorted({fmt.codec_for(f"{p}{g}.{m}").name for m in mods})
+            parts.append(f"{g}: {'/'.join(names)}")
+        out[p.rstrip(".")] = "; ".join(parts)
+    return out
 
 
 def _describe_converted(path: Path) -> dict[str, Any]:

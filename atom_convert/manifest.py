@@ -50,6 +50,10 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
             "is_shuffled": o.is_shuffled,
             "sources": list(o.sources),
         }
+        if o.runtime_dtype:
+            tensors[o.name]["runtime_dtype"] = o.runtime_dtype
+        if o.meta:
+            tensors[o.name]["layout"] = o.meta
     index_files = {}
     for name in ("config.json", src.index_file):
         if name:

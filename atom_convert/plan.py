@@ -28,6 +28,8 @@ class OutTensor:
     sources: tuple[str, ...]
     produce: Producer
     is_shuffled: bool = False
+    runtime_dtype: str | None = None  # the dtype the runtime views the stored bytes as, if different
+    meta: dict[str, Any] = field(default_factory=dict)  # padding and layout notes for loaders and checks
 
     @property
     def nbytes(self) -> int:

@@ -20,30 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from .model import ModelSpec
-from .quant.fp8_block import block_dequant
-from .quant.shuffle import unshuffle16
+from .decode import decode_mla, decode_weight, unpad_moe
 from .reader import ConvertedCheckpoint
 
 F32 = torch.float32
-
-
-def decode_weight(ck: ConvertedCheckpoint, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
-    """fp32 values of a converted weight in plain [.., N, K] order.
-
-    Linear `X.weight` pairs with `X.weight_scale`; stacked `w13_weight` with
-    `w13_weight_scale`. Unquantized tensors are returned as fp32.
-    """
-    e = ck.entry(name)
-    w = ck.get(name).to(device)
-    if e["is_shuffled"]:
-        w = unshuffle16(w)
-    sname = name + "_scale" if name.endswith("_weight") else name.removesuffix(".weight") + ".weight_scale"
-    if sname not in ck.manifest["tensors"]:
-        return w.to(F32)
-    s = ck.get(sname).to(device)
-    if w.dim() == 3:
-        return torch.stack([block_dequant(w[i], s[i]) for i in range(w.shape[0])])
-    return block_dequant(w, s)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,8 +129,7 @@ class ConvertedModel:
         # cache, back out through W_V. W[b] is [N, K], the bmm computes X[b] @ W[b]^T (spec §4.1).
         own = self.ranks[r].manifest["tensors"]
         mla = next(n for n in own if n.startswith(a) and n.endswith(".W_K")).removesuffix(".W_K")
-        wk = self.ranks[r].get(f"{mla}.W_K").to(self.device).to(F32) * self.ranks[r].get(f"{mla}.W_K_scale").to(self.device)
-        wv = self.ranks[r].get(f"{mla}.W_V").to(self.device).to(F32) * self.ranks[r].get(f"{mla}.W_V_scale").to(self.device)
+        wk, wv = decode_mla(self.ranks[r], mla, self.device)
         q_lat = torch.einsum("tnp,nlp->tnl", q_nope, wk)
         scores = (torch.einsum("tnl,sl->nts", q_lat, kv_c) + torch.einsum("tnr,sr->nts", q_pe, k_pe)) * self.rope.scaling
         probs = torch.softmax(scores + mask, dim=-1)

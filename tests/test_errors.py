@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import atom_convert
-import atom_convert.loaders.deepseek as deepseek_mod
+import atom_convert.postload as postload_mod
 from atom_convert import BadInputError
 from atom_convert.cli import main
 from atom_convert.errors import CheckpointError, DestinationExistsError, UnsupportedError
@@ -249,17 +249,20 @@ def _not_in_index(tc: Callable[..., Path], tmp: Path) -> Case:
 
 
 def _quark(tc: Callable[..., Path], tmp: Path) -> Case:
+    """A Quark export whose scheme ATOM's MXFP4 path cannot take (fp8 per-channel weights)."""
     src = copy_source(tc, tmp)
 
     def quark(cfg: dict[str, Any]) -> None:
         cfg["quantization_config"] = {
             "quant_method": "quark",
             "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
-            "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32}},
+            "global_quant_config": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_channel", "group_size": None}},
+            "exclude": ["lm_head"],
         }
 
     edit_config(src, quark)
-    return Case(src, UnsupportedError, ["config.json", "'quark'", "not supported", "fp8-block", "bf16"])
+    return Case(src, UnsupportedError, ["config.json", "global_quant_config", "model.layers.0.self_attn.q_a_proj",
+                                        "'fp8_e4m3'", "'per_channel'", "MXFP4"])
 
 
 def _compressed_tensors(tc: Callable[..., Path], tmp: Path) -> Case:
@@ -513,7 +516,7 @@ def test_writer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp
 def test_producer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer raising half-way through a stacked expert tensor (after some experts were written)."""
-    real = deepseek_mod.shuffle16
+    real = postload_mod.shuffle16
     calls = {"n": 0}
 
     def shuffle16(w: torch.Tensor) -> torch.Tensor:
@@ -522,7 +525,7 @@ def test_producer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], t
             raise Boom("shuffle failed")
         return real(w)
 
-    monkeypatch.setattr(deepseek_mod, "shuffle16", shuffle16)
+    monkeypatch.setattr(postload_mod, "shuffle16", shuffle16)
     dst = tmp_path / "dst"
     with pytest.raises(Boom):
         atom_convert.convert(tiny_checkpoint(PRESET, "bf16"), dst)

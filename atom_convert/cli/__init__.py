@@ -34,6 +34,7 @@ def cli() -> None:
     "atom-convert convert ./DeepSeek-V3 ./DeepSeek-V3-atom --target gfx950 --tp 8",
     "atom-convert convert ./Kimi-K2-Instruct ./kimi-mi300 --target gfx942 --tp 8 --shard-size 10GB",
     "atom-convert convert ./DeepSeek-R1 ./r1-atom --no-mtp --dry-run",
+    "atom-convert convert ./Kimi-K2-Thinking-MXFP4 ./kimi-mxfp4-atom --target gfx950 --tp 4 --mla-bmm mxfp4",
 ))
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -45,22 +46,25 @@ def cli() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shape, bytes, shard); write nothing.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--no-mtp", is_flag=True, help="Drop the DeepSeek-V3/R1 MTP layer instead of converting it to DST/mtp/.")
+@click.option("--mla-bmm", type=click.Choice(["fp8", "mxfp4"]), default="fp8", show_default=True,
+              help="Format of the MLA operands W_K/W_V: fp8 (ATOM default) or mxfp4 (gfx950, the layout of "
+                   "ATOM_USE_TRITON_MXFP4_BMM=1).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
-            as_json: bool) -> None:
+            mla_bmm: str, as_json: bool) -> None:
     """Convert the checkpoint in SRC into ATOM's layout in DST."""
     from ..convert import convert as run_convert
     from ..convert import plan_summary
 
     if dry_run:
-        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp)
+        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm)
         if as_json:
             click.echo(json.dumps(plan, indent=1))
         else:
             _print_plan(plan)
         return
     m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
-                            progress=not as_json and sys.stderr.isatty())
+                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm)
     if as_json:
         click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "files", "mtp", "conversion_seconds")}, indent=1))
         return

@@ -47,6 +47,7 @@ class ArchLoader(ABC):
         tp: int,
         profile: "NamingProfile",
         mtp: bool,
+        mla_bmm: str = "fp8",
     ) -> "ConversionPlan":
         """Check the source against the config and plan every output tensor."""
 

@@ -25,14 +25,13 @@ import torch
 from ..errors import BadInputError, CheckpointError, UnsupportedError
 from ..model import ModelSpec
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
+from ..postload import FP4X2, LINEAR, MOE, TensorSpec
 from ..profile import NamingProfile
 from ..quant.base import LinearCodec, LinearData, SourceFormat
 from ..quant.bf16 import FLOAT_DTYPES, Bf16Linear
-from ..quant.fnuz import target_scale, to_target_fp8
-from ..quant.formats import FP8_BLOCK, FP8_DTYPE_BY_TARGET
-from ..quant.fp8_block import Fp8BlockLinear, block_dequant, cdiv
+from ..quant.formats import FP8_DTYPE_BY_TARGET
+from ..quant.mxfp4 import MXFP4_BLOCK, dynamic_mxfp4_quant
 from ..quant.per_tensor import per_tensor_quant
-from ..quant.shuffle import shuffle16, shuffle_requirements_met
 from ..source import SourceCheckpoint
 from .base import ArchLoader
 
@@ -51,6 +50,9 @@ LAYOUT_FLAGS: dict[str, Any] = {
     "moe_backend": "standard",
     "enable_expert_parallel": False,
 }
+
+# The rounding of the MXFP4 MLA operands (spec §10.1): pinned per layout revision.
+MXFP4_ROUNDING = "aiter e4048607a triton dynamic_mxfp4_quant: e8m0 from amax rounded up, e2m1 half to even, -0 kept"
 
 # Source names dropped by ATOM's name rewriting (spec §1.2 rule 3).
 DROP_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -121,7 +123,9 @@ NORMS: tuple[tuple[str, Callable[[ModelSpec], int | None]], ...] = (
     ("self_attn.kv_a_layernorm.weight", lambda s: s.L),
 )
 
-# MTP extras beside the decoder block (spec §2.6): name -> (kind, optional).
+EH_PROJ = LinearRule("eh_proj", ("eh_proj",), Par.REPLICATED, lambda s: ((s.H, 2 * s.H),))
+
+# MTP extras beside the decoder block (spec §2.6).
 MTP_VECTORS = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
 
 
@@ -137,6 +141,7 @@ class _Ctx:
     profile: NamingProfile
     problems: list[str]
     consumed: set[str]
+    mla_bmm: str = "fp8"
 
     @property
     def fp8(self) -> torch.dtype:
@@ -203,50 +208,21 @@ def _check_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[Lin
         kinds = ", ".join(f"{src_prefix + p}: {c.name}" for p, c in zip(rule.parts, codecs))
         raise UnsupportedError(
             f"{src_prefix + rule.out}: its parts are stored in different formats ({kinds}); ATOM fuses them "
-            f"into one parameter of one format. Quantize all parts or none (check the ignore list)."
+            f"into one parameter of one format. Quantize all parts or none (check the exclude/ignore list)."
         )
-    quantized = codecs[0].quantized
     for part, (o, i) in zip(rule.parts, dims):
-        module = src_prefix + part
         if rule.par is Par.COLUMN and o % tp:
-            raise UnsupportedError(f"{module}: {o} output rows are not divisible by tp={tp}")
+            raise UnsupportedError(f"{src_prefix + part}: {o} output rows are not divisible by tp={tp}")
         if rule.par is Par.ROW and i % tp:
-            raise UnsupportedError(f"{module}: {i} input columns are not divisible by tp={tp}")
-        if quantized and tp > 1:
-            if rule.par is Par.COLUMN and (o // tp) % FP8_BLOCK:
-                raise UnsupportedError(
-                    f"{module}: a rank's {o // tp} rows (of {o}, tp={tp}) do not start on a 128-row fp8 scale block "
-                    f"boundary; ATOM slices scale rows by rank and would misplace them (spec §3.2). Use a tp "
-                    f"that keeps rows per rank a multiple of 128."
-                )
-            if rule.par is Par.ROW and (i // tp) % FP8_BLOCK:
-                raise UnsupportedError(
-                    f"{module}: a rank's {i // tp} input columns (of {i}, tp={tp}) are not a multiple of the "
-                    f"128-column fp8 scale block (spec §3.2). Use a smaller tp."
-                )
-    if quantized and len(rule.parts) > 1:
-        for part, (o, _) in zip(rule.parts[:-1], dims[:-1]):
-            if _local_rows(rule.par, o, tp) % FP8_BLOCK:
-                what = "q_lora_rank" if part.endswith("q_a_proj") else "intermediate size per rank"
-                raise UnsupportedError(
-                    f"{src_prefix + rule.out}: cannot fuse fp8 {src_prefix + part} ({what} "
-                    f"{_local_rows(rule.par, o, tp)}) with the next part: it is not a multiple of 128, so the next "
-                    f"part's rows would start inside a 128x128 scale block (spec §2.2). ATOM cannot load this "
-                    f"checkpoint fused."
-                )
-    if quantized:
-        rows = sum(_local_rows(rule.par, o, tp) for o, _ in dims)
-        cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
-        if not shuffle_requirements_met((rows, cols)):
-            raise UnsupportedError(
-                f"{src_prefix + rule.out}: per-rank fp8 weight [{rows}, {cols}] cannot take ATOM's 16x16 shuffle "
-                f"(needs rows % 16 == 0 and columns % 32 == 0, spec §3.0.3)"
-            )
+            raise UnsupportedError(f"{src_prefix + part}: {i} input columns are not divisible by tp={tp}")
+    rows = [_local_rows(rule.par, o, tp) for o, _ in dims]
+    cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
+    LINEAR[codecs[0].name].check(src_prefix + rule.out, rows, cols, rule.par is Par.COLUMN and tp > 1,
+                                 rule.par is Par.ROW and tp > 1, tp, [src_prefix + p for p in rule.parts])
 
 
 def _read_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[LinearCodec], rank: int) -> LinearData:
-    """The rank's slice of every part, concatenated in row order, in the target's fp8
-    (fnuz-normalised on gfx942), not yet shuffled."""
+    """The rank's slice of every part, concatenated in row order, as stored in the source."""
     tp = ctx.tp
     ws, ss = [], []
     for part, (o, i), codec in zip(rule.parts, rule.dims(ctx.spec), codecs):
@@ -261,52 +237,48 @@ def _read_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[Line
         if d.scale is not None:
             ss.append(d.scale)
     w = torch.cat(ws, 0) if len(ws) > 1 else ws[0]
-    if not ss:
-        return LinearData(w)
-    s = torch.cat(ss, 0) if len(ss) > 1 else ss[0]
-    w, s = to_target_fp8(w, s, ctx.target)
+    s = (torch.cat(ss, 0) if len(ss) > 1 else ss[0]) if ss else None
     return LinearData(w, s)
 
 
 def _linear_weight(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_name: str, codecs: list[LinearCodec],
                    rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
     d = _read_linear(ctx, rule, src_prefix, codecs, rank)
-    if d.scale is None:
-        yield d.weight
-        return
-    cache[out_name + "_scale"] = d.scale
-    # Every per_1x128 linear is shuffled: the PRESHUFFLE flag defaults to 1, and
-    # fused_qkv_a_proj is shuffled regardless (spec §3.2 step 2).
-    yield shuffle16(d.weight)
+    w, s = LINEAR[codecs[0].name].apply(d.weight, d.scale, ctx.target)
+    if s is not None:
+        cache[out_name + "_scale"] = s.clone()
+    yield w
 
 
 def _linear_scale(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[LinearCodec], rank: int,
                   cache: dict[str, Any], key: str) -> Iterator[torch.Tensor]:
     s = cache.pop(key, None)
     if s is None:
-        s = _read_linear(ctx, rule, src_prefix, codecs, rank).scale
+        d = _read_linear(ctx, rule, src_prefix, codecs, rank)
+        s = LINEAR[codecs[0].name].apply(d.weight, d.scale, ctx.target)[1]
     yield s
 
 
-def _plan_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_prefix: str) -> list[OutTensor]:
-    codecs = [ctx.fmt.codec_for(src_prefix + p) for p in rule.parts]
+def _plan_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_prefix: str,
+                 codecs: list[LinearCodec] | None = None) -> list[OutTensor]:
+    codecs = codecs or [ctx.fmt.codec_for(src_prefix + p) for p in rule.parts]
     _check_linear(ctx, rule, src_prefix, codecs)
     tp, dims = ctx.tp, rule.dims(ctx.spec)
-    rows = sum(_local_rows(rule.par, o, tp) for o, _ in dims)
+    rows = [_local_rows(rule.par, o, tp) for o, _ in dims]
     cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
     sources = tuple(n for p, c in zip(rule.parts, codecs) for n in c.source_names(src_prefix + p))
     wname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight")
-    if not codecs[0].quantized:
-        return [OutTensor(wname, BF16, (rows, cols), sources,
-                          partial(_linear_weight, ctx, rule, src_prefix, wname, codecs))]
-    srows = sum(cdiv(_local_rows(rule.par, o, tp), FP8_BLOCK) for o, _ in dims)
-    sname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight_scale")
-    return [
-        OutTensor(wname, ctx.fp8, (rows, cols), sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs),
-                  is_shuffled=True),
-        OutTensor(sname, torch.float32, (srows, cdiv(cols, FP8_BLOCK)), sources,
-                  partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale")),
-    ]
+    wspec, sspec = LINEAR[codecs[0].name].plan(rows, cols, ctx.target)
+    outs = [_out(wname, wspec, sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs))]
+    if sspec is not None:
+        sname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight_scale")
+        outs.append(_out(sname, sspec, sources, partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale")))
+    return outs
+
+
+def _out(name: str, spec: TensorSpec, sources: tuple[str, ...], produce: Any) -> OutTensor:
+    return OutTensor(name, spec.dtype, spec.shape, sources, produce, is_shuffled=spec.shuffled,
+                     runtime_dtype=spec.runtime_dtype, meta=dict(spec.meta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,47 +294,43 @@ def _expert_modules(ctx: _Ctx, src_prefix: str, fused_shared: bool) -> list[tupl
     return mods  # type: ignore[return-value]
 
 
+def _read_expert(ctx: _Ctx, codec: LinearCodec, module: str, axis: int, rank: int) -> LinearData:
+    il = ctx.spec.I // ctx.tp
+    if ctx.tp == 1:
+        return codec.read(ctx.src, module)
+    return codec.read(ctx.src, module, axis, rank * il, (rank + 1) * il)
+
+
 def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
              cache: dict[str, Any], key: str) -> Iterator[torch.Tensor]:
-    """Yields one expert at a time: [1, 2*I_loc, H] for w13, [1, H, I_loc] for w2."""
-    il = ctx.spec.I // ctx.tp
-    lo, hi = rank * il, (rank + 1) * il
+    """Yields one expert at a time ([1, 2N, K] for w13, [1, H, N] for w2) and stacks the
+    scales for the `_scale` output."""
+    post = MOE[codec.name]
     scales = []
     for gate, up, down in mods:
         if which == "w13":
-            g = codec.read(ctx.src, gate, 0, lo, hi) if ctx.tp > 1 else codec.read(ctx.src, gate)
-            u = codec.read(ctx.src, up, 0, lo, hi) if ctx.tp > 1 else codec.read(ctx.src, up)
-            w = torch.cat([g.weight, u.weight], 0)
-            s = None if g.scale is None else torch.cat([g.scale, u.scale], 0)  # type: ignore[list-item]
+            w, s = post.w13(_read_expert(ctx, codec, gate, 0, rank), _read_expert(ctx, codec, up, 0, rank), ctx.target)
         else:
-            d = codec.read(ctx.src, down, 1, lo, hi) if ctx.tp > 1 else codec.read(ctx.src, down)
-            w, s = d.weight, d.scale
+            w, s = post.w2(_read_expert(ctx, codec, down, 1, rank), ctx.target)
         if s is not None:
-            w, s = to_target_fp8(w, s, ctx.target)
-            scales.append(s.clone())  # a copy: a view would keep this expert's file pages mapped
-        # bf16 experts are shuffled too (Ke = 8), unlike bf16 linears (spec §3.1).
-        yield shuffle16(w).unsqueeze(0)
+            scales.append(s)
+        yield w.unsqueeze(0)
+        del w
         ctx.src.release()  # unmap what this expert touched: RSS stays at one expert
     if scales:
-        cache[key] = torch.stack(scales)
+        cache[key] = scales
 
 
 def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-                   cache: dict[str, Any], key: str) -> Iterator[torch.Tensor]:
-    s = cache.pop(key, None)
-    if s is None:  # the weight was not produced first: read the scales alone
-        s = torch.stack([target_scale(sc, ctx.target) for sc in _raw_expert_scales(ctx, mods, which, rank)])
-    yield s
-
-
-def _raw_expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], which: str, rank: int) -> Iterator[torch.Tensor]:
-    il = ctx.spec.I // ctx.tp
-    b0, b1 = rank * il // FP8_BLOCK, cdiv((rank + 1) * il, FP8_BLOCK)
-    for gate, up, down in mods:
-        if which == "w13":
-            yield torch.cat([ctx.src.get_rows(f"{m}.weight_scale_inv", b0, b1) for m in (gate, up)], 0)
-        else:
-            yield ctx.src.get_cols(f"{down}.weight_scale_inv", b0, b1)
+                   cache: dict[str, Any], key: str, stacked: bool) -> Iterator[torch.Tensor]:
+    scales = cache.pop(key, None)
+    if scales is None:  # the weight was not produced first: compute the scales again
+        scales = []
+        for chunk in _experts(ctx, mods, codec, which, rank, cache, key):
+            del chunk
+        scales = cache.pop(key)
+    # fp8: [E, rows, cols] stacked; MXFP4: the 2-D [E*N, K/32] tensor, one expert's rows after another.
+    yield torch.stack(scales) if stacked else torch.cat(scales, 0)
 
 
 def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: bool) -> list[OutTensor]:
@@ -382,32 +350,20 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
     if s.I % tp:
         raise UnsupportedError(f"{src_prefix}mlp.experts: moe_intermediate_size {s.I} is not divisible by tp={tp}")
     il = s.I // tp
-    if codec.quantized and il % FP8_BLOCK:
-        raise UnsupportedError(
-            f"{src_prefix}mlp.experts: fp8 MoE needs the per-rank intermediate size to be a multiple of 128 "
-            f"(ATOM asserts it, spec §3.2); got {il} = {s.I}/tp{tp}"
-        )
-    if not (shuffle_requirements_met((2 * il, s.H)) and shuffle_requirements_met((s.H, il))):
-        raise UnsupportedError(
-            f"{src_prefix}mlp.experts: per-rank expert weights [{2 * il}, {s.H}] and [{s.H}, {il}] cannot take "
-            f"ATOM's 16x16 shuffle (rows % 16, columns % 32, spec §3.0.3)"
-        )
-    n = len(mods)
+    post = MOE[codec.name]
+    post.check(f"{src_prefix}mlp.experts", il, s.H, tp)
     sources = tuple(x for trio in mods for m in trio for x in codec.source_names(m))
-    dt = ctx.fp8 if codec.quantized else BF16
     base = ctx.profile.tensor(f"{out_prefix}mlp.experts.")
-    outs = [
-        OutTensor(base + "w13_weight", dt, (n, 2 * il, s.H), sources,
-                  partial(_experts, ctx, mods, codec, "w13", key=base + "w13_scale"), is_shuffled=True),
-    ]
-    if codec.quantized:
-        outs.append(OutTensor(base + "w13_weight_scale", torch.float32, (n, 2 * cdiv(il, FP8_BLOCK), cdiv(s.H, FP8_BLOCK)),
-                              sources, partial(_expert_scales, ctx, mods, codec, "w13", key=base + "w13_scale")))
-    outs.append(OutTensor(base + "w2_weight", dt, (n, s.H, il), sources,
-                          partial(_experts, ctx, mods, codec, "w2", key=base + "w2_scale"), is_shuffled=True))
-    if codec.quantized:
-        outs.append(OutTensor(base + "w2_weight_scale", torch.float32, (n, cdiv(s.H, FP8_BLOCK), cdiv(il, FP8_BLOCK)),
-                              sources, partial(_expert_scales, ctx, mods, codec, "w2", key=base + "w2_scale")))
+    specs = post.plan(len(mods), il, s.H, ctx.target)
+    outs = []
+    for which in ("w13", "w2"):
+        key = f"{base}{which}_scale"
+        outs.append(_out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
+                         partial(_experts, ctx, mods, codec, which, key=key)))
+        sspec = specs.get(f"{which}_weight_scale")
+        if sspec is not None:
+            outs.append(_out(f"{base}{which}_weight_scale", sspec, sources,
+                             partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3)))
     return outs
 
 
@@ -416,19 +372,29 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
 # --------------------------------------------------------------------------------------------
 
 
-def kv_b_bf16(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """What `get_and_maybe_dequant_weights(kv_b_proj)` returns: the bf16 weight itself, or
-    bf16(fp8 value x block scale), rounded to nearest even (spec §4.1 step 1, §6.4)."""
-    if scale is None:
-        return w.to(BF16)
-    return block_dequant(w, scale).to(BF16)
+def kv_b_bf16(codec: LinearCodec, data: LinearData) -> torch.Tensor:
+    """What `get_and_maybe_dequant_weights(kv_b_proj)` returns (spec §4.1 step 1, §6.4): the bf16
+    weight itself, or the processed layer's GEMM against an identity, i.e. bf16(value x scale)
+    rounded to nearest even. fnuz halves the code and doubles the scale, so the value is the
+    same computed from the source bytes; an MXFP4 value is exact in bf16."""
+    return codec.dequant(data).to(BF16)
 
 
-def mla_operands(wkvb: torch.Tensor, nr: int, P: int, V: int, L: int, fp8: torch.dtype) -> dict[str, torch.Tensor]:
-    """W_K [Nr, L, P] and W_V [Nr, V, L] in fp8, each with one fp32 scalar scale (spec §4.1 steps 2-5)."""
+def mla_operands(wkvb: torch.Tensor, nr: int, P: int, V: int, L: int, fp8: torch.dtype,
+                 bmm: str = "fp8") -> dict[str, torch.Tensor]:
+    """W_K and W_V from the rank's kv_b [Nr(P+V), L] in bf16.
+
+    bmm "fp8" (default, spec §4.1): W_K [Nr, L, P], W_V [Nr, V, L] in fp8, one fp32 scalar scale each.
+    bmm "mxfp4" (ATOM_USE_TRITON_MXFP4_BMM=1, spec §4.2): W_K [Nr, L, P/2] quantised along P,
+    W_V [Nr, V, L/2] along L, uint8 packed e2m1 with plain row-major e8m0 scales (not shuffled).
+    """
     x = wkvb.view(nr, P + V, L)
     wk = x[:, :P, :].transpose(1, 2)  # W_K[n, l, p] = Wkvb[n(P+V)+p, l]
     wv = x[:, P:, :]  # W_V[n, v, l] = Wkvb[n(P+V)+P+v, l]
+    if bmm == "mxfp4":
+        qk, sk = dynamic_mxfp4_quant(wk.contiguous())
+        qv, sv = dynamic_mxfp4_quant(wv.contiguous())
+        return {"W_K": qk, "W_K_scale": sk, "W_V": qv, "W_V_scale": sv}
     qk, sk = per_tensor_quant(wk, fp8)
     qv, sv = per_tensor_quant(wv, fp8)
     return {"W_K": qk, "W_K_scale": sk, "W_V": qv, "W_V_scale": sv}
@@ -440,7 +406,7 @@ def _mla(ctx: _Ctx, src_prefix: str, codecs: list[LinearCodec], attr: str, rank:
     if key not in cache:
         d = _read_linear(ctx, KV_B, src_prefix, codecs, rank)
         s = ctx.spec
-        cache[key] = mla_operands(kv_b_bf16(d.weight, d.scale), s.Nh // ctx.tp, s.P, s.V, s.L, ctx.fp8)
+        cache[key] = mla_operands(kv_b_bf16(codecs[0], d), s.Nh // ctx.tp, s.P, s.V, s.L, ctx.fp8, ctx.mla_bmm)
     yield cache[key].pop(attr)
     if not cache[key]:
         del cache[key]
@@ -452,10 +418,21 @@ def _plan_mla(ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
     codecs = [ctx.fmt.codec_for(src_prefix + p) for p in KV_B.parts]
     sources = tuple(codecs[0].source_names(src_prefix + KV_B.parts[0]))
     attn = f"{out_prefix}self_attn"
-    shapes = {"W_K": ((nr, s.L, s.P), ctx.fp8), "W_K_scale": ((), torch.float32),
-              "W_V": ((nr, s.V, s.L), ctx.fp8), "W_V_scale": ((), torch.float32)}
-    return [OutTensor(ctx.profile.mla(attn, a), dt, shape, sources, partial(_mla, ctx, src_prefix, codecs, a))
-            for a, (shape, dt) in shapes.items()]
+    if ctx.mla_bmm == "mxfp4":
+        if s.P % MXFP4_BLOCK or s.L % MXFP4_BLOCK:
+            raise UnsupportedError(f"--mla-bmm mxfp4 needs qk_nope_head_dim ({s.P}) and kv_lora_rank ({s.L}) to be "
+                                   f"multiples of 32 (spec §4.2)")
+        specs = {"W_K": TensorSpec(torch.uint8, (nr, s.L, s.P // 2), runtime_dtype=FP4X2),
+                 "W_K_scale": TensorSpec(torch.uint8, (nr, s.L, s.P // MXFP4_BLOCK), runtime_dtype="uint8"),
+                 "W_V": TensorSpec(torch.uint8, (nr, s.V, s.L // 2), runtime_dtype=FP4X2),
+                 "W_V_scale": TensorSpec(torch.uint8, (nr, s.V, s.L // MXFP4_BLOCK), runtime_dtype="uint8")}
+        rounding = {"rounding": MXFP4_ROUNDING}
+        specs = {k: TensorSpec(v.dtype, v.shape, runtime_dtype=v.runtime_dtype, meta=rounding) for k, v in specs.items()}
+    else:
+        specs = {"W_K": TensorSpec(ctx.fp8, (nr, s.L, s.P)), "W_K_scale": TensorSpec(torch.float32, ()),
+                 "W_V": TensorSpec(ctx.fp8, (nr, s.V, s.L)), "W_V_scale": TensorSpec(torch.float32, ())}
+    return [_out(ctx.profile.mla(attn, a), spec, sources, partial(_mla, ctx, src_prefix, codecs, a))
+            for a, spec in specs.items()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,6 +449,16 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
         length = n(s)
         if length is not None:
             outs += _plain(ctx, src_prefix + name, ctx.profile.tensor(out_prefix + name), (length,))
+    if s.Q is not None and ctx.fmt.codec_for(src_prefix + "self_attn.q_a_proj").name == "mxfp4":
+        # HEAD keeps a static-MXFP4 fused_qkv_a_proj's quant config for q_b_proj and kv_b_proj too
+        # (spec §2.2); a bf16 one of them would be loaded into an MXFP4 parameter.
+        for part in ("self_attn.q_b_proj", "self_attn.kv_b_proj"):
+            if ctx.fmt.codec_for(src_prefix + part).name != "mxfp4":
+                raise UnsupportedError(
+                    f"{src_prefix}self_attn: q_a_proj is MXFP4 but {part.split('.')[-1]} is "
+                    f"{ctx.fmt.codec_for(src_prefix + part).name} in the Quark config; ATOM then builds "
+                    f"q_b_proj and kv_b_proj as MXFP4 (spec §2.2) and cannot load this layer"
+                )
     for rule in ATTENTION:
         if rule.when(s):
             outs += _plan_linear(ctx, rule, src_prefix, out_prefix)
@@ -516,14 +503,20 @@ def _plan_mtp(ctx: _Ctx, j: int) -> ModelPlan:
                    (s.vocab, s.H), vocab=True, optional=True)
     for name in MTP_VECTORS:
         outs += _plain(ctx, src + name, ctx.profile.tensor(src + name), (s.H,))
-    # eh_proj is bf16 at run time (HEAD excludes it unless the index has `eh_proj.weight_scale`,
-    # which a DeepSeek fp8 checkpoint never has, spec §2.6); an fp8 source is dequantised.
+    # eh_proj: a replicated linear (HEAD). It is bf16 unless the index has a key ending in
+    # `eh_proj.weight_scale` (spec §2.6): a DeepSeek fp8 one (`weight_scale_inv`) never does, so
+    # ATOM holds it in bf16 and an fp8 source is dequantised; a Quark MXFP4 one stays MXFP4.
     eh = f"{src}eh_proj"
-    codec: LinearCodec = Fp8BlockLinear() if f"{eh}.weight_scale_inv" in ctx.src else Bf16Linear()
-    ctx.problems.extend(codec.check(ctx.src, eh, s.H, 2 * s.H))
-    ctx.consumed.update(codec.source_names(eh))
-    outs.append(OutTensor(ctx.profile.tensor(f"{eh}.weight"), BF16, (s.H, 2 * s.H), tuple(codec.source_names(eh)),
-                          partial(_dequant_whole, ctx, codec, eh)))
+    codec = ctx.fmt.codec_for(eh)
+    if codec.name == "fp8-block" and f"{eh}.weight_scale_inv" in ctx.src:
+        ctx.problems.extend(codec.check(ctx.src, eh, s.H, 2 * s.H))
+        ctx.consumed.update(codec.source_names(eh))
+        outs.append(OutTensor(ctx.profile.tensor(f"{eh}.weight"), BF16, (s.H, 2 * s.H), tuple(codec.source_names(eh)),
+                              partial(_dequant_whole, ctx, codec, eh)))
+    else:
+        if codec.name == "fp8-block":  # stored in bf16 although the config would quantize it
+            codec = Bf16Linear()
+        outs += _plan_linear(ctx, EH_PROJ, src, src, [codec])
     outs += _plain(ctx, f"{src}shared_head.head.weight", ctx.profile.tensor(f"{src}shared_head.head.weight"),
                    (s.vocab, s.H), vocab=True, optional=True)
     plan.groups.append(Group(f"mtp.{j}.extras", outs))
@@ -549,12 +542,24 @@ class DeepseekLoader(ArchLoader):
     )
 
     def plan(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, *, target: str, tp: int,
-             profile: NamingProfile, mtp: bool) -> ConversionPlan:
+             profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8") -> ConversionPlan:
         if tp < 1:
             raise BadInputError(f"tp must be >= 1, got {tp}")
+        if mla_bmm not in ("fp8", "mxfp4"):
+            raise BadInputError(f"--mla-bmm must be fp8 or mxfp4, got {mla_bmm!r}")
+        if mla_bmm == "mxfp4" and target != "gfx950":
+            raise UnsupportedError(
+                f"--mla-bmm mxfp4 (ATOM_USE_TRITON_MXFP4_BMM=1) is gfx950-only in ATOM (spec §4.2); target is {target}"
+            )
+        if fmt.name == "quark-mxfp4" and target != "gfx950":
+            raise UnsupportedError(
+                f"MXFP4 checkpoints convert for gfx950 only: on {target} ATOM runs MXFP4 MoE through its triton "
+                f"path with transposed views and a different scale layout (spec §3.3.2, §6), which atom-convert "
+                f"does not produce"
+            )
         if spec.n_mtp > 1:
             raise UnsupportedError(f"num_nextn_predict_layers={spec.n_mtp}: only one MTP layer is supported (DeepSeek-V3/R1 have 1)")
-        ctx = _Ctx(src, spec, fmt, target, tp, profile, problems=[], consumed=set())
+        ctx = _Ctx(src, spec, fmt, target, tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm)
         main = ModelPlan(groups=[])
         main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", profile.tensor("model.embed_tokens.weight"),
                                                  (spec.vocab, spec.H), vocab=True)))
@@ -590,4 +595,6 @@ class DeepseekLoader(ArchLoader):
         if ctx.problems:
             raise CheckpointError(ctx.problems, hint="The source does not match its config.json; fix or re-download it.")
         return ConversionPlan(spec=spec, source_format=fmt.name, target=target, tp=tp, profile=profile, main=main,
-                              mtp=mtp_plan, dropped=dropped, layout_flags=dict(LAYOUT_FLAGS, tp_size=tp))
+                              mtp=mtp_plan, dropped=dropped,
+                              layout_flags=dict(LAYOUT_FLAGS, tp_size=tp,
+                                                ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4")))

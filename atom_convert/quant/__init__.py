@@ -5,7 +5,7 @@ Importing this package registers every source format.
 
 from __future__ import annotations
 
-from . import bf16, fp8_block  # noqa: F401  (registration)
+from . import bf16, fp8_block, quark  # noqa: F401  (registration)
 from .base import LinearCodec, LinearData, SourceFormat, available_formats, detect_format
 
 __all__ = ["LinearCodec", "LinearData", "SourceFormat", "available_formats", "detect_format"]

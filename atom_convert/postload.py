@@ -1,0 +1,259 @@
+"""What ATOM's `process_weights_after_loading` does to a linear or a fused-MoE
+layer, per quantisation method, at the default flags (spec §3).
+
+The loader decides *which* source bytes form a rank's parameter (names,
+fusion, TP slices); this module decides what the runtime then holds: dtype,
+shape, padding, fnuz normalisation, shuffles. One entry per codec name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedError
+from .quant.fnuz import to_target_fp8
+from .quant.formats import FP8_BLOCK, FP8_DTYPE_BY_TARGET
+from .quant.fp8_block import cdiv
+from .quant.mxfp4 import E8M0_SHUFFLE_COLS, E8M0_SHUFFLE_ROWS, MXFP4_BLOCK, e8m0_shuffle
+from .quant.shuffle import shuffle16, shuffle_requirements_met
+
+BF16 = torch.bfloat16
+FP4X2 = "float4_e2m1fn_x2"  # what the runtime views the uint8 bytes as (spec §10)
+E8M0 = "float8_e8m0fnu"
+MOE_PAD = 256  # MXFP4 MoE pads I_loc and H to multiples of 256 (spec §3.3.2)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One planned runtime tensor: stored dtype and shape, and how the runtime views it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    shuffled: bool = False
+    runtime_dtype: str | None = None  # when the runtime re-views the stored bytes (fp4x2, e8m0)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class LinearPostLoad:
+    """Unquantized linear: kept as is, [out, in] bf16, never shuffled (spec §3.1)."""
+
+    quantized = False
+
+    def check(self, module: str, part_rows: list[int], cols: int, row_split: bool, col_split: bool, tp: int,
+              parts: list[str]) -> None:
+        """Refuse what ATOM cannot load. part_rows/cols are per rank; row_split: column-parallel
+        at tp > 1 (output rows sliced), col_split: row-parallel at tp > 1 (input columns sliced)."""
+
+    def plan(self, part_rows: list[int], cols: int, target: str) -> tuple[TensorSpec, TensorSpec | None]:
+        return TensorSpec(BF16, (sum(part_rows), cols)), None
+
+    def apply(self, w: torch.Tensor, s: torch.Tensor | None, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return w.to(BF16), None
+
+
+class Fp8BlockPostLoad(LinearPostLoad):
+    """per_1x128 (spec §3.2): fnuz on gfx942, then shuffle16; fp32 [N/128, K/128] scale kept as is."""
+
+    quantized = True
+
+    def check(self, module: str, part_rows: list[int], cols: int, row_split: bool, col_split: bool, tp: int,
+              parts: list[str]) -> None:
+        if row_split and any(r % FP8_BLOCK for r in part_rows):
+            raise UnsupportedError(
+                f"{module}: a rank's {part_rows} rows (tp={tp}) do not start on a 128-row fp8 scale block boundary; "
+                f"ATOM slices scale rows by rank and would misplace them (spec §3.2). Use a tp that keeps rows per "
+                f"rank a multiple of 128."
+            )
+        if col_split and cols % FP8_BLOCK:
+            raise UnsupportedError(
+                f"{module}: a rank's {cols} input columns (tp={tp}) are not a multiple of the 128-column fp8 scale "
+                f"block (spec §3.2). Use a smaller tp."
+            )
+        for part, r in zip(parts[:-1], part_rows[:-1]):
+            if r % FP8_BLOCK:
+                what = "q_lora_rank" if part.endswith("q_a_proj") else "rows per rank"
+                raise UnsupportedError(
+                    f"{module}: cannot fuse fp8 {part} ({what} {r}) with the next part: {r} is not a multiple of "
+                    f"128, so the next part's rows would start inside a 128x128 scale block (spec §2.2). ATOM "
+                    f"cannot load this checkpoint fused."
+                )
+        if not shuffle_requirements_met((sum(part_rows), cols)):
+            raise UnsupportedError(
+                f"{module}: per-rank fp8 weight [{sum(part_rows)}, {cols}] cannot take ATOM's 16x16 shuffle "
+                f"(needs rows % 16 == 0 and columns % 32 == 0, spec §3.0.3)"
+            )
+
+    def plan(self, part_rows: list[int], cols: int, target: str) -> tuple[TensorSpec, TensorSpec | None]:
+        fp8 = FP8_DTYPE_BY_TARGET[target]
+        srows = sum(cdiv(r, FP8_BLOCK) for r in part_rows)
+        return (TensorSpec(fp8, (sum(part_rows), cols), shuffled=True),
+                TensorSpec(torch.float32, (srows, cdiv(cols, FP8_BLOCK))))
+
+    def apply(self, w: torch.Tensor, s: torch.Tensor | None, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert s is not None
+        w, s = to_target_fp8(w, s, target)
+        # Every per_1x128 linear is shuffled: the PRESHUFFLE flag defaults to 1, and
+        # fused_qkv_a_proj is shuffled regardless (spec §3.2 step 2).
+        return shuffle16(w), s
+
+
+class Mxfp4PostLoad(LinearPostLoad):
+    """per_1x32 MXFP4 linear (spec §3.3.1): shuffle16 on the packed bytes, e8m0shuf on the
+    scale (rows padded to 256, columns to 8; the pad is zero here, uninitialised at run time)."""
+
+    quantized = True
+
+    def check(self, module: str, part_rows: list[int], cols: int, row_split: bool, col_split: bool, tp: int,
+              parts: list[str]) -> None:
+        if cols % MXFP4_BLOCK:
+            raise UnsupportedError(
+                f"{module}: a rank's {cols} input columns (tp={tp}) are not a multiple of the MXFP4 group of 32 "
+                f"(spec §3.3.1). Use a smaller tp."
+            )
+        if not shuffle_requirements_met((sum(part_rows), cols // 2)):
+            raise UnsupportedError(
+                f"{module}: per-rank MXFP4 weight [{sum(part_rows)}, {cols // 2}] bytes cannot take ATOM's 16x16 "
+                f"shuffle (needs rows % 16 == 0 and bytes % 32 == 0, spec §3.0.3)"
+            )
+
+    def plan(self, part_rows: list[int], cols: int, target: str) -> tuple[TensorSpec, TensorSpec | None]:
+        rows = sum(part_rows)
+        sc = cols // MXFP4_BLOCK
+        pad = (cdiv(rows, E8M0_SHUFFLE_ROWS) * E8M0_SHUFFLE_ROWS, cdiv(sc, E8M0_SHUFFLE_COLS) * E8M0_SHUFFLE_COLS)
+        return (TensorSpec(torch.uint8, (rows, cols // 2), shuffled=True, runtime_dtype=FP4X2),
+                TensorSpec(torch.uint8, pad, runtime_dtype=E8M0, meta={"e8m0_shuffled": True, "unpadded_shape": [rows, sc]}))
+
+    def apply(self, w: torch.Tensor, s: torch.Tensor | None, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert s is not None
+        return shuffle16(w), e8m0_shuffle(s)
+
+
+LINEAR: dict[str, LinearPostLoad] = {
+    "bf16": LinearPostLoad(),
+    "fp8-block": Fp8BlockPostLoad(),
+    "mxfp4": Mxfp4PostLoad(),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused MoE: w13 = [gate; up] per expert, w2 = down (spec §2.4)
+# ---------------------------------------------------------------------------------------------
+
+
+class MoEPostLoad:
+    """bf16 experts (spec §3.1): stacked, shuffle16 with Ke = 8, no scales."""
+
+    quantized = False
+
+    def check(self, where: str, il: int, H: int, tp: int) -> None:
+        if not (shuffle_requirements_met((2 * il, H)) and shuffle_requirements_met((H, il))):
+            raise UnsupportedError(
+                f"{where}: per-rank expert weights [{2 * il}, {H}] and [{H}, {il}] cannot take ATOM's 16x16 shuffle "
+                f"(rows % 16, columns % 32, spec §3.0.3)"
+            )
+
+    def plan(self, n: int, il: int, H: int, target: str) -> dict[str, TensorSpec]:
+        return {"w13_weight": TensorSpec(BF16, (n, 2 * il, H), shuffled=True),
+                "w2_weight": TensorSpec(BF16, (n, H, il), shuffled=True)}
+
+    def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return shuffle16(torch.cat([gate.weight, up.weight], 0).to(BF16)), None
+
+    def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return shuffle16(down.weight.to(BF16)), None
+
+
+class Fp8MoEPostLoad(MoEPostLoad):
+    """per_1x128 experts (spec §3.2): fnuz on gfx942, shuffle16 per expert, fp32 block scales."""
+
+    quantized = True
+
+    def check(self, where: str, il: int, H: int, tp: int) -> None:
+        if il % FP8_BLOCK:
+            raise UnsupportedError(
+                f"{where}: fp8 MoE needs the per-rank intermediate size to be a multiple of 128 (ATOM asserts it, "
+                f"spec §3.2); got {il} at tp={tp}"
+            )
+        super().check(where, il, H, tp)
+
+    def plan(self, n: int, il: int, H: int, target: str) -> dict[str, TensorSpec]:
+        fp8 = FP8_DTYPE_BY_TARGET[target]
+        return {
+            "w13_weight": TensorSpec(fp8, (n, 2 * il, H), shuffled=True),
+            "w13_weight_scale": TensorSpec(torch.float32, (n, 2 * cdiv(il, FP8_BLOCK), cdiv(H, FP8_BLOCK))),
+            "w2_weight": TensorSpec(fp8, (n, H, il), shuffled=True),
+            "w2_weight_scale": TensorSpec(torch.float32, (n, cdiv(H, FP8_BLOCK), cdiv(il, FP8_BLOCK))),
+        }
+
+    def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w, s = to_target_fp8(torch.cat([gate.weight, up.weight], 0), torch.cat([gate.scale, up.scale], 0), target)
+        return shuffle16(w), s.clone()  # a copy: a view would keep the expert's file pages mapped
+
+    def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w, s = to_target_fp8(down.weight, down.scale, target)
+        return shuffle16(w), s.clone()
+
+
+class Mxfp4MoEPostLoad(MoEPostLoad):
+    """MXFP4 experts, gfx950 CK path at HEAD defaults (spec §3.3.2): intermediate padded to
+    256 per half (gate rows [0, I_loc), up rows [I_pad, I_pad + I_loc)), zero-filled;
+    shuffle16 on the bytes per expert; scales e8m0shuf'd as one 2-D [E*N, K/32] tensor
+    (uint8, no padding appears since N is a multiple of 256 and K/32 of 8)."""
+
+    quantized = True
+
+    def check(self, where: str, il: int, H: int, tp: int) -> None:
+        if H % MOE_PAD:
+            raise UnsupportedError(
+                f"{where}: MXFP4 MoE needs hidden_size % 256 == 0 (ATOM HEAD pads only the intermediate dimension "
+                f"when loading, spec §10); got {H}"
+            )
+        if il % MXFP4_BLOCK:
+            raise UnsupportedError(
+                f"{where}: the per-rank intermediate size {il} (tp={tp}) is not a multiple of the MXFP4 group of 32"
+            )
+
+    @staticmethod
+    def padded(il: int) -> int:
+        return cdiv(il, MOE_PAD) * MOE_PAD
+
+    def plan(self, n: int, il: int, H: int, target: str) -> dict[str, TensorSpec]:
+        ip = self.padded(il)
+        pad = {"intermediate": il, "intermediate_padded": ip}
+        return {
+            "w13_weight": TensorSpec(torch.uint8, (n, 2 * ip, H // 2), shuffled=True, runtime_dtype=FP4X2, meta=pad),
+            "w13_weight_scale": TensorSpec(torch.uint8, (n * 2 * ip, H // MXFP4_BLOCK), runtime_dtype="uint8",
+                                           meta={"e8m0_shuffled": True, "experts": n, **pad}),
+            "w2_weight": TensorSpec(torch.uint8, (n, H, ip // 2), shuffled=True, runtime_dtype=FP4X2, meta=pad),
+            "w2_weight_scale": TensorSpec(torch.uint8, (n * H, ip // MXFP4_BLOCK), runtime_dtype="uint8",
+                                          meta={"e8m0_shuffled": True, "experts": n, **pad}),
+        }
+
+    def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        il, kb = gate.weight.shape
+        ip = self.padded(il)
+        w = torch.zeros(2 * ip, kb, dtype=torch.uint8)
+        s = torch.zeros(2 * ip, gate.scale.shape[1], dtype=torch.uint8)
+        w[:il], w[ip:ip + il] = gate.weight, up.weight
+        s[:il], s[ip:ip + il] = gate.scale, up.scale
+        # e8m0shuf of the flattened [E*N, K/32] scale is, for N a multiple of 32, the
+        # concatenation of each expert's own e8m0shuf: rows are permuted within 32-row blocks.
+        return shuffle16(w), e8m0_shuffle(s)
+
+    def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        H, ib = down.weight.shape
+        ip = self.padded(ib * 2)
+        w = torch.zeros(H, ip // 2, dtype=torch.uint8)
+        s = torch.zeros(H, ip // MXFP4_BLOCK, dtype=torch.uint8)
+        w[:, :ib], s[:, :down.scale.shape[1]] = down.weight, down.scale
+        return shuffle16(w), e8m0_shuffle(s)
+
+
+MOE: dict[str, MoEPostLoad] = {
+    "bf16": MoEPostLoad(),
+    "fp8-block": Fp8MoEPostLoad(),
+    "mxfp4": Mxfp4MoEPostLoad(),
+}
