@@ -32,6 +32,21 @@ FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
 _NOT_QUANTIZED = re.compile(r".*(mlp\.gate\.weight|embed_tokens\.weight|lm_head\.weight|shared_head\.head\.weight|norm\.weight|layernorm\.weight|enorm\.weight|hnorm\.weight)$")
 
 
+def quark_mxfp4_config(exclude: list[str]) -> dict[str, Any]:
+    """A Quark 0.13 export's quantization_config for OCP MXFP4 weights (as Quark writes it)."""
+    spec = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1, "is_dynamic": False,
+            "scale_format": "e8m0", "scale_calculation_mode": "even", "round_method": "half_even",
+            "observer_cls": "PerBlockMXObserver", "scale_type": "float", "symmetric": None, "mx_element_dtype": None}
+    return {"quant_method": "quark", "version": "0.13", "quant_mode": "eager_mode",
+            "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                       "weight_format": "real_quantized", "weight_merge_groups": None},
+            "exclude": exclude,
+            "global_quant_config": {"weight": spec, "input_tensors": dict(spec, is_dynamic=True),
+                                    "output_tensors": None, "bias": None},
+            "layer_quant_config": {}, "layer_type_quant_config": {}, "kv_cache_quant_config": {},
+            "algo_config": None, "softmax_quant_spec": None}
+
+
 def load_preset(name: str) -> dict[str, Any]:
     """A preset from configs/ by name ('tiny-deepseek-v3') or path."""
     p = Path(name)
@@ -224,6 +239,9 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     of the cost of quantising random data (benches).
     weights="gaussian": linear weights are N(0, 1/in_features) in bf16, block
     quantised as DeepSeek does for fp8 (numerical checks).
+    fmt="mxfp4": a Quark-style export with the routed experts in MXFP4 (random
+    codes, e8m0 scales 2^-9..2^-4) and every other linear in bf16, as Quark's
+    kimi_k2 template writes it.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)
@@ -241,8 +259,17 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
         weight_map.update({n: fname for n in buf})
         buf, size = {}, 0
 
+    excluded: list[str] = []
     for name, shape, kind in source_inventory(cfg):
-        if kind == "linear" and weights == "gaussian":
+        if fmt == "mxfp4" and kind == "linear":
+            if ".mlp.experts." not in name:  # Quark's kimi_k2 template: only routed experts in MXFP4
+                excluded.append(name.removesuffix(".weight"))
+                tensors = {name: (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)}
+            else:
+                tensors = {name: torch.randint(0, 256, (shape[0], shape[1] // 2), generator=gen, dtype=torch.uint8),
+                           name.removesuffix(".weight") + ".weight_scale":
+                               torch.randint(118, 124, (shape[0], shape[1] // 32), generator=gen, dtype=torch.uint8)}
+        elif kind == "linear" and weights == "gaussian":
             w = (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)
             if fmt == "fp8":
                 q, s = block_quant(w)
@@ -277,6 +304,8 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     if fmt == "fp8":
         cfg = dict(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
+    elif fmt == "mxfp4":
+        cfg = dict(cfg, quantization_config=quark_mxfp4_config(excluded + ["lm_head"]))
     else:
         cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
