@@ -107,8 +107,11 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
                 manifest["files"][f"{mtp_dir.name}/{f}"] = meta
             mp = mtp_dir / MANIFEST_NAME
             manifest["files"][f"{mtp_dir.name}/{MANIFEST_NAME}"] = {"bytes": mp.stat().st_size, "sha256": sha256_file(mp)}
-        elif spec.n_mtp:
+        elif plan.mtp_status == "dropped by --no-mtp":
             manifest["mtp"] = {"status": "dropped", "reason": "--no-mtp"}
+        elif plan.mtp_status == "not in the checkpoint":
+            manifest["mtp"] = {"status": "absent", "reason": f"config.json has num_nextn_predict_layers="
+                               f"{spec.n_mtp} but the checkpoint holds no model.layers.{spec.n_layers}.* tensor"}
         else:
             manifest["mtp"] = {"status": "absent"}
     if seconds is not None:

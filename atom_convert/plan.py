@@ -68,6 +68,7 @@ class ConversionPlan:
     profile: NamingProfile
     main: ModelPlan
     mtp: ModelPlan | None
+    mtp_status: str  # "converted", "dropped by --no-mtp", "not in the checkpoint", "absent"
     dropped: dict[str, str]  # source name -> reason
     layout_flags: dict[str, Any]
 

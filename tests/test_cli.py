@@ -448,3 +448,19 @@ def test_side_files_are_copied(api_run: tuple[Path, dict[str, Any]], src: Path) 
         assert m["files"][name]["sha256"] == sha256(src / name)
         assert m["files"][f"mtp/{name}"]["sha256"] == sha256(src / name)
     assert not (dst / INDEX_NAME).exists(), "the source index must not be copied beside converted shards"
+
+
+def test_mtp_layer_missing_from_the_checkpoint(tiny_checkpoint, tmp_path):
+    """A V3 checkpoint whose config announces an MTP layer that the files do not hold (some
+    redistributions strip it) converts, and the manifest says why there is no mtp/ set."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("tiny-deepseek-v3", "bf16"), src)
+    t = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("model.layers.3.")}
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    m = atom_convert.convert(src, tmp_path / "dst")
+    assert m["mtp"]["status"] == "absent" and "num_nextn_predict_layers=1" in m["mtp"]["reason"]
+    assert not (tmp_path / "dst" / "mtp").exists()

@@ -571,8 +571,13 @@ class DeepseekLoader(ArchLoader):
                                           (spec.vocab, spec.H), vocab=True)))
         mtp_layers = range(spec.n_layers, spec.n_layers + spec.n_mtp)
         mtp_plan = None
-        if mtp and spec.n_mtp:
-            mtp_plan = _plan_mtp(ctx, spec.n_layers)
+        mtp_status = "absent"
+        if spec.n_mtp:
+            # Some redistributions of V3/R1 strip the MTP layer but keep num_nextn_predict_layers.
+            present = any(n.startswith(f"model.layers.{spec.n_layers}.") for n in src.names())
+            mtp_status = "not in the checkpoint" if not present else "converted" if mtp else "dropped by --no-mtp"
+            if mtp and present:
+                mtp_plan = _plan_mtp(ctx, spec.n_layers)
         dropped: dict[str, str] = {}
         for name in src.names():
             if name in ctx.consumed:
@@ -595,6 +600,6 @@ class DeepseekLoader(ArchLoader):
         if ctx.problems:
             raise CheckpointError(ctx.problems, hint="The source does not match its config.json; fix or re-download it.")
         return ConversionPlan(spec=spec, source_format=fmt.name, target=target, tp=tp, profile=profile, main=main,
-                              mtp=mtp_plan, dropped=dropped,
+                              mtp=mtp_plan, mtp_status=mtp_status, dropped=dropped,
                               layout_flags=dict(LAYOUT_FLAGS, tp_size=tp,
                                                 ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4")))
