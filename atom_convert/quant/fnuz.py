@@ -19,9 +19,8 @@ def fnuz_normalize(w: torch.Tensor) -> torch.Tensor:
     """
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fnuz_normalize expects float8_e4m3fn, got {w.dtype}")
-    b = w.view(torch.int8).clone()
-    b[b == FNUZ_NAN_BYTE] = 0
-    return b.view(torch.float8_e4m3fnuz)
+    b = w.view(torch.int8)
+    return b.masked_fill(b == FNUZ_NAN_BYTE, 0).view(torch.float8_e4m3fnuz)
 
 
 def fnuz_scale(scale: torch.Tensor) -> torch.Tensor:
