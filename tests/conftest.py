@@ -60,3 +60,22 @@ def aiter():
     from oracles import load_aiter
 
     return load_aiter()
+
+
+@pytest.fixture(scope="session")
+def quark_checkpoint(session_dir: Path) -> Callable[..., Path]:
+    """quark_checkpoint(preset, style) -> an AMD Quark MXFP4 export of `preset` (hidden_size 256,
+    no MTP layer), style "template" (Quark's LLMTemplate) or "all" (every linear incl. attention),
+    built once per session (tests/quark_fixtures.py; Quark is imported on the first call only)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(preset: str, style: str) -> Path:
+        key = (preset, style)
+        if key not in cache:
+            from quark_fixtures import build_quark_export
+
+            cache[key] = build_quark_export(session_dir / "quark" / f"{preset}-{style}", preset, style,
+                                            seed=zlib.crc32(repr(key).encode()) % 1000)
+        return cache[key]
+
+    return get
