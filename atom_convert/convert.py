@@ -15,6 +15,7 @@ Any failure removes the temporary directory; DST is never half-written.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import tempfile
@@ -51,6 +52,24 @@ class SetLayout:
 
     plan: ModelPlan
     shards: list[list[ShardPlan]]
+
+
+def _large_allocations_via_mmap() -> None:
+    """Make glibc serve every allocation of 1 MiB or more with its own mapping.
+
+    The producers allocate tens of MB per expert (the concatenated and the shuffled
+    weight) and the writer threads free them. With glibc's default dynamic threshold,
+    blocks of that size come from the heap once a few have been freed, and the heap then
+    grows by about one expert per expert without being returned: 6-8 GB for one
+    DeepSeek-V3 MoE layer (bench/, BENCHMARKS.md). A fixed 1 MiB threshold returns each
+    block to the system when it is freed. Process-wide and harmless elsewhere: it is
+    glibc's own default behaviour before its threshold adapts.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def parse_size(text: str | int) -> int:
@@ -172,6 +191,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     """
     t0 = time.perf_counter()
     dst = Path(dst)
+    _large_allocations_via_mmap()
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
     source = SourceCheckpoint(src)

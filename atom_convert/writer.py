@@ -5,8 +5,9 @@ stacked expert tensor of one DeepSeek-V3 layer is 7.5 GB, so that would hold
 a whole layer in memory. Here each shard's header is written up front from the
 plan (names, dtypes, shapes are known before any data is read) and tensor
 bytes are then appended as the producers yield them, one expert at a time.
-A background thread does the writes and the sha256, overlapping with the
-producers' reads and shuffles (file.write and hashlib release the GIL).
+Two background threads do the writes and the sha256, overlapping with each
+other and with the producers' reads and shuffles (file.write and hashlib
+release the GIL).
 The files are plain safetensors: `safe_open` reads them.
 """
 
@@ -110,7 +111,8 @@ class _OpenShard:
         self.pos = 0  # index into expected of the tensor being written
         self.fh = open(path, "wb")
         self.sha = hashlib.sha256()
-        self.nbytes = 0
+        self.nbytes = 0  # written (IO thread)
+        self.hashed = 0  # hashed (hash thread)
 
 
 class ShardSetWriter:
@@ -127,19 +129,31 @@ class ShardSetWriter:
         self.tensor_file: dict[tuple[int, str], str] = {}
         self.on_bytes = on_bytes or (lambda n: None)
         self.io = _IOThread()
+        self.hasher = _IOThread()
 
-    # The functions below run on the IO thread, in submission order.
+    # The functions below run on the IO threads, in submission order: writes on one, sha256 on
+    # another (each runs at about the disk's speed; in sequence they were the bottleneck).
     @staticmethod
     def _write(sh: _OpenShard, buf: Any) -> None:
         sh.fh.write(buf)
-        sh.sha.update(buf)
         sh.nbytes += len(buf)
+
+    @staticmethod
+    def _hash(sh: _OpenShard, buf: Any) -> None:
+        sh.sha.update(buf)
+        sh.hashed += len(buf)
 
     def _finish(self, sh: _OpenShard) -> None:
         sh.fh.flush()
         os.fsync(sh.fh.fileno())
         sh.fh.close()
-        self.written.append(WrittenFile(sh.path.relative_to(self.dir).as_posix(), sh.nbytes, sh.sha.hexdigest()))
+
+    def _record(self, sh: _OpenShard) -> None:
+        self.written.append(WrittenFile(sh.path.relative_to(self.dir).as_posix(), sh.hashed, sh.sha.hexdigest()))
+
+    def _submit(self, sh: _OpenShard, buf: Any) -> None:
+        self.io.submit(self._write, sh, buf)
+        self.hasher.submit(self._hash, sh, buf)
 
     def _shard_for(self, rank: int, name: str) -> _OpenShard:
         sh = self.current[rank]
@@ -150,7 +164,7 @@ class ShardSetWriter:
                 [(n, self.by_name[n].dtype, self.by_name[n].shape, self.by_name[n].nbytes) for n in plan.names],
                 metadata={"format": "pt"},
             )
-            self.io.submit(self._write, sh, head)
+            self._submit(sh, head)
             self.current[rank] = sh
         want = sh.expected[sh.pos][0]
         if want != name:
@@ -167,7 +181,7 @@ class ShardSetWriter:
             total += len(buf)
             if total > out.nbytes:
                 break
-            self.io.submit(self._write, sh, buf)
+            self._submit(sh, buf)
             self.on_bytes(len(buf))
         if total != out.nbytes:
             raise AtomConvertError(
@@ -177,23 +191,31 @@ class ShardSetWriter:
         sh.pos += 1
         if sh.pos == len(sh.expected):
             self.io.submit(self._finish, sh)
+            self.hasher.submit(self._record, sh)  # after this file's last hash update
             self.current[rank] = None
 
     def drain(self) -> None:
         self.io.drain()
+        self.hasher.drain()
 
     def close(self) -> list[WrittenFile]:
         self.io.close()
+        self.hasher.close()
+        for f in self.written:  # both threads saw the same buffers; the file must hold them all
+            size = (self.dir / f.name).stat().st_size
+            if size != f.nbytes:
+                raise AtomConvertError(f"internal: {f.name} has {size} bytes on disk, {f.nbytes} were written")
         left = [p.file for ps in self.queue.values() for p in ps] + [s.plan.file for s in self.current.values() if s]
         if left:
             raise AtomConvertError(f"internal: shards left incomplete: {left}")
         return self.written
 
     def abort(self) -> None:
-        try:
-            self.io.close()
-        except BaseException:  # noqa: BLE001  the original error matters, not this one
-            pass
+        for t in (self.io, self.hasher):
+            try:
+                t.close()
+            except BaseException:  # noqa: BLE001  the original error matters, not this one
+                pass
         for sh in self.current.values():
             if sh is not None and not sh.fh.closed:
                 sh.fh.close()

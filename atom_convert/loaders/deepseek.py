@@ -168,13 +168,32 @@ def _check_float(ctx: _Ctx, name: str, shape: tuple[int, ...], optional: bool = 
     return True
 
 
+_CHUNK_BYTES = 64 << 20
+
+
+def _rows_in_chunks(ctx: _Ctx, name: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
+    """Rows [lo, hi) as bf16 copies of at most 64 MB, unmapping the source after each: an
+    embedding is 1.85 GB (V3), and a view into the file would keep all of it resident."""
+    info = ctx.src.info(name)
+    row = max(1, info.nbytes // max(1, info.shape[0]))
+    step = max(1, _CHUNK_BYTES // row)
+    for a in range(lo, hi, step):
+        chunk = ctx.src.get_rows(name, a, min(hi, a + step)).to(BF16, copy=True)
+        ctx.src.release()
+        yield chunk
+
+
 def _whole(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
-    yield ctx.src.get(name).to(BF16)
+    shape = ctx.src.info(name).shape
+    if len(shape) < 2:
+        yield ctx.src.get(name).to(BF16, copy=True)
+        return
+    yield from _rows_in_chunks(ctx, name, 0, shape[0])
 
 
 def _vocab_rows(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
     n = ctx.src.info(name).shape[0] // ctx.tp
-    yield ctx.src.get_rows(name, rank * n, (rank + 1) * n).to(BF16)
+    yield from _rows_in_chunks(ctx, name, rank * n, (rank + 1) * n)
 
 
 def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], vocab: bool = False,

@@ -1,0 +1,552 @@
+#!/usr/bin/env python3
+"""Conversion benchmark: `atom-convert` against a plain copy of the same files.
+
+One run of this script:
+1. generates (or, with --reuse, reuses) a synthetic fp8 checkpoint at the real
+   DeepSeek-V3 width (configs/deepseek-v3.json with num_hidden_layers=2:
+   layer 0 dense, layer 1 MoE with 256 routed + 1 shared expert of 2048x7168,
+   no MTP layer, the real 129280-token vocabulary);
+2. times, alternating and repeated, (a) a plain copy of the source files into a
+   new folder (read + write + fsync per file) and (b) a conversion
+   (`atom_convert.convert`, target gfx950, tp=1, default shard size) into a
+   new folder. Each run is a fresh subprocess, so its peak RSS (its VmHWM,
+   read as it exits) is its own; the page cache is dropped before each run
+   when the kernel lets us;
+3. prints a summary and writes bench/results/<stamp>-<mode>.json: machine,
+   atom_convert's version and a sha256 of its sources (checked again after
+   every run), source bytes, every run's wall seconds, peak RSS (with its
+   anonymous/file-backed split), CPU seconds and the CPU other processes used
+   meanwhile (the machine may be shared), the median ratio and the verdicts.
+   Outputs are deleted after each run; the source at the end (--keep-source
+   keeps it for --reuse).
+
+The aims the numbers are judged against (BENCHMARKS.md): conversion within
+1.5x of the copy time, conversion peak RSS under 3 GB.
+
+Examples:
+    python bench/bench_convert.py                  # full size, 2 repeats (~16 GB source)
+    python bench/bench_convert.py --smoke          # under a minute, checks the script
+    python bench/bench_convert.py --reuse --keep-source --repeat 3
+
+Only the standard library is imported at the top level, so that the copy child
+process pays no torch import; atom_convert is imported where it is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+DEFAULT_WORKDIR = Path("/tmp/atom-convert-bench")
+DISK_FACTOR = 3.2  # free space needed: source + one output + headroom
+AIM_RATIO = 1.5
+AIM_RSS_BYTES = 3 * 1000**3
+SOURCE_SHARD_BYTES = 4 * 1000**3  # DeepSeek-V3's own shards are ~4.3 GB
+MARKER = ".bench-source.json"  # written after a complete generation; --reuse checks it
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# ------------------------------------------------------------------------------------------------
+# Child processes (one per timed run)
+# ------------------------------------------------------------------------------------------------
+
+
+def _proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS/VmHWM/RssAnon/RssFile/RssShmem of a process, in bytes (empty if it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        pass
+    return out
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def child_copy(src: Path, dst: Path) -> dict[str, Any]:
+    """Copy every file of SRC into a new DST: read + write + fsync per file, then fsync DST."""
+    dst.mkdir(parents=True)
+    n = 0
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name != MARKER:
+            q = dst / p.name
+            shutil.copyfile(p, q)
+            _fsync_path(q)
+            n += 1
+    _fsync_path(dst)
+    return {"files": n}
+
+
+def child_convert(src: Path, dst: Path) -> dict[str, Any]:
+    import atom_convert
+
+    manifest = atom_convert.convert(src, dst, target="gfx950", tp=1, progress=False)
+    _fsync_path(dst)
+    return {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
+            "manifest_conversion_seconds": manifest.get("conversion_seconds")}
+
+
+def child_generate(cfg_json: Path, dst: Path, seed: int) -> dict[str, Any]:
+    from atom_convert.synth import build_random
+
+    cfg = json.loads(cfg_json.read_text())
+    fmt = cfg.pop("_bench_format", "fp8")
+    build_random(cfg, dst, fmt=fmt, seed=seed, shard_bytes=SOURCE_SHARD_BYTES)
+    os.sync()
+    return {}
+
+
+def run_child(kind: str, src: Path, dst: Path, report: Path, seed: int = 0) -> None:
+    t0 = time.perf_counter()
+    if kind == "generate":
+        info = child_generate(src, dst, seed)
+    else:
+        info = child_copy(src, dst) if kind == "copy" else child_convert(src, dst)
+    info["op_seconds"] = time.perf_counter() - t0
+    info["status_at_exit"] = _proc_status()
+    report.write_text(json.dumps(info))
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: machine, cache, source, timed runs
+# ------------------------------------------------------------------------------------------------
+
+
+def machine_info(workdir: Path) -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_bytes": mem,
+        "cpu_model": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "workdir": str(workdir),
+    }
+    try:
+        import safetensors
+        import torch
+
+        import atom_convert
+
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    safetensors=safetensors.__version__, atom_convert=atom_convert.__version__)
+    except Exception as e:  # noqa: BLE001  informational only
+        info["import_error"] = repr(e)
+    return info
+
+
+def cpu_times() -> tuple[float, float]:
+    """(user, busy) CPU seconds used so far by everything on the machine (/proc/stat):
+    user = user+nice (user space only), busy = user+nice+system+irq+softirq+steal."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1]) / hz, (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / hz
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.25, window: float = 3.0) -> dict[str, Any]:
+    """Wait (up to max_wait s) until user-space processes use < threshold cores over a window
+    (kernel threads are left out: writeback of the previous run's deletion is not another job).
+    The machine may be shared; what other load remained is recorded, not hidden."""
+    t0 = time.perf_counter()
+    while True:
+        u0 = cpu_times()[0]
+        time.sleep(window)
+        load = (cpu_times()[0] - u0) / window
+        waited = time.perf_counter() - t0
+        if load < threshold or waited >= max_wait:
+            return {"waited_seconds": round(waited, 1), "cores_busy_before": round(load, 2), "quiet": load < threshold}
+
+
+def package_fingerprint() -> dict[str, Any]:
+    """sha256 over atom_convert's source files (path + content), so that a result names the exact
+    code it measured; compared again after every timed run to catch edits made during the run."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted(p for p in (REPO / "atom_convert").rglob("*") if p.is_file() and p.suffix in (".py", ".json", ".typed"))
+    newest = 0.0
+    for p in files:
+        h.update(p.relative_to(REPO).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+        newest = max(newest, p.stat().st_mtime)
+    version = "unknown"
+    try:
+        for line in (REPO / "atom_convert" / "__init__.py").read_text().splitlines():
+            if line.startswith("__version__"):
+                version = line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    return {"version": version, "sources_sha256": h.hexdigest(), "files": len(files),
+            "newest_mtime": _dt.datetime.fromtimestamp(newest).astimezone().isoformat(timespec="seconds")}
+
+
+def drop_caches() -> tuple[bool, str]:
+    """os.sync() then 3 > /proc/sys/vm/drop_caches. Returns (dropped, note)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True, "page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before every timed run"
+    except OSError as e:
+        return False, (f"cannot drop the page cache ({e.strerror or e}); every timed run starts warm: the source "
+                       f"files are read once right before it, for copy and convert alike")
+
+
+def prewarm(src: Path) -> None:
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def tree_bytes(path: Path) -> tuple[int, int]:
+    """(bytes, files) of every regular file under path."""
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(root, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                total += os.path.getsize(p)
+                files += 1
+    return total, files
+
+
+def bench_config(layers: int, experts: int, vocab: int, fmt: str = "fp8") -> dict[str, Any]:
+    """fp8: DeepSeek-V3 width; mxfp4: Kimi-K2 width (64 heads), routed experts in MXFP4 as
+    Quark's kimi_k2 template exports them (Kimi-K2-Thinking-MXFP4)."""
+    from atom_convert.synth import load_preset
+
+    cfg = load_preset("deepseek-v3" if fmt == "fp8" else "kimi-k2")
+    cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=0,
+               n_routed_experts=experts, vocab_size=vocab)
+    if fmt != "fp8":
+        cfg.pop("quantization_config", None)
+    cfg["_bench_format"] = fmt
+    return cfg
+
+
+def expected_source_bytes(cfg: dict[str, Any]) -> int:
+    """Tensor bytes of the fp8 source build_random writes (headers and json files excluded)."""
+    from atom_convert.synth import scale_grid, source_inventory
+
+    fmt = cfg.get("_bench_format", "fp8")
+    cfg = {k: v for k, v in cfg.items() if k != "_bench_format"}
+    total = 0
+    for name, shape, kind in source_inventory(cfg):
+        n = 1
+        for d in shape:
+            n *= d
+        if kind == "linear" and fmt == "mxfp4":
+            total += n // 2 + n // 32 if ".mlp.experts." in name else 2 * n
+        elif kind == "linear":
+            g = scale_grid(shape)
+            total += n + 4 * g[0] * g[1]
+        elif kind in ("router", "bias"):
+            total += 4 * n
+        else:
+            total += 2 * n
+    return total
+
+
+def source_dir_name(layers: int, experts: int, vocab: int, seed: int, fmt: str = "fp8") -> str:
+    model = "dsv3" if fmt == "fp8" else f"kimi-{fmt}"
+    return f"src-{model}-L{layers}-E{experts}-V{vocab}-s{seed}"
+
+
+def check_disk(workdir: Path, need_total: int, already: int) -> int:
+    free = shutil.disk_usage(workdir).free
+    if free + already < need_total:
+        sys.exit(
+            f"bench_convert: not enough free disk in {workdir}: {free / 1e9:.1f} GB free"
+            + (f" (+ {already / 1e9:.1f} GB already used by the reused source)" if already else "")
+            + f", but the benchmark needs {DISK_FACTOR}x the source size = {need_total / 1e9:.1f} GB "
+            f"(source + one output at a time + headroom). Free some space or pass --workdir on a larger disk."
+        )
+    return free
+
+
+def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    cfg = bench_config(args.layers, args.experts, args.vocab, args.format)
+    src = workdir / source_dir_name(args.layers, args.experts, args.vocab, args.seed, args.format)
+    est = expected_source_bytes(cfg)
+    marker = src / MARKER
+    if args.reuse and marker.is_file():
+        meta = json.loads(marker.read_text())
+        have, _ = tree_bytes(src)
+        if meta.get("config") == cfg and have >= est:
+            check_disk(workdir, int(DISK_FACTOR * have), have)
+            print(f"[bench] reusing source {src} ({have / 1e9:.2f} GB)", flush=True)
+            return src, {"generated": False, "generate_seconds": meta.get("generate_seconds")}
+        print(f"[bench] {src} does not match the requested config; regenerating", flush=True)
+    if src.exists():
+        shutil.rmtree(src)
+    check_disk(workdir, int(DISK_FACTOR * est), 0)
+    print(f"[bench] generating {src} (~{est / 1e9:.2f} GB, fp8, seed {args.seed}) ...", flush=True)
+    # In a subprocess: the generator's memory must not inflate the timed children or the page cache.
+    cfg_json = workdir / ".bench-config.json"
+    cfg_json.write_text(json.dumps(cfg))
+    report = workdir / ".report-generate.json"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--seed", str(args.seed),
+                    "--child", "generate", str(cfg_json), str(src), str(report)], check=True)
+    dt = time.perf_counter() - t0
+    cfg_json.unlink()
+    report.unlink()
+    marker.write_text(json.dumps({"config": cfg, "generate_seconds": dt}))
+    print(f"[bench] generated in {dt:.1f} s", flush=True)
+    return src, {"generated": True, "generate_seconds": dt}
+
+
+def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cache_mode: bool, quiet_wait: float) -> dict[str, Any]:
+    """One run in a fresh subprocess: wall time, the child's VmHWM, a sampled RSS breakdown."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    report = workdir / f".report-{kind}.json"
+    report.unlink(missing_ok=True)
+    if cache_mode:
+        drop_caches()
+    else:
+        prewarm(src)
+    quiet = wait_quiet(quiet_wait) if quiet_wait > 0 else {}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(src), str(dst), str(report)]
+    user0, busy0 = cpu_times()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        st = _proc_status(proc.pid)
+        for k in peak:
+            peak[k] = max(peak[k], st.get(k, 0))
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    user1, busy1 = cpu_times()
+    busy, user = busy1 - busy0, user1 - user0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        shutil.rmtree(dst, ignore_errors=True)
+        sys.exit(f"bench_convert: the {kind} run failed (exit {proc.returncode}); command: {' '.join(cmd)}")
+    child = json.loads(report.read_text())
+    report.unlink()
+    out_bytes, out_files = tree_bytes(dst)
+    return {
+        "kind": kind,
+        "wall_seconds": wall,
+        "op_seconds": child["op_seconds"],
+        # The child's own VmHWM read from /proc/self/status as it exits. wait4's ru_maxrss is kept
+        # for reference only: Linux carries the pre-exec (forked parent's) high-water mark into it.
+        "peak_rss_bytes": child["status_at_exit"]["VmHWM"],
+        "wait4_ru_maxrss_bytes": ru.ru_maxrss * 1024,
+        "sampled_peak": {"rss_anon_bytes": peak["RssAnon"], "rss_file_bytes": peak["RssFile"],
+                         "vm_rss_bytes": peak["VmRSS"]},
+        "user_seconds": ru.ru_utime,
+        "sys_seconds": ru.ru_stime,
+        # Machine-wide CPU time during the run minus the child's own. other_user: user-space time of
+        # other processes (another job on a shared machine; this parent's sampling is ~0.1 s);
+        # other_cpu also counts kernel threads, which include the writeback and reclaim done for the run.
+        "other_user_cpu_seconds": round(max(0.0, user - ru.ru_utime), 1),
+        "other_cpu_seconds": round(max(0.0, busy - ru.ru_utime - ru.ru_stime), 1),
+        "quiet_wait": quiet,
+        "output_bytes": out_bytes,
+        "output_files": out_files,
+        "child": {k: v for k, v in child.items() if k not in ("op_seconds",)},
+    }
+
+
+def fmt_gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2, choices=(2, 3), help="decoder layers (layer 0 dense, the rest MoE)")
+    ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8",
+                    help="fp8: DeepSeek-V3-width DeepSeek fp8 source (default); mxfp4: Kimi-K2-width Quark MXFP4 "
+                         "export (routed experts MXFP4, 384 experts by default)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default 256; --smoke 8)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 129280; --smoke 16384)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed runs of each kind (default 2; --smoke 1)")
+    ap.add_argument("--workdir", type=Path, default=None, help=f"scratch folder (default {DEFAULT_WORKDIR}[-smoke])")
+    ap.add_argument("--reuse", action="store_true", help="reuse a complete source from an earlier run in --workdir")
+    ap.add_argument("--keep-source", action="store_true", help="keep the generated source (for a later --reuse)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (hidden 7168, 8 experts, vocab 16384), < 1 minute")
+    ap.add_argument("--quiet-wait", type=float, default=None,
+                    help="before each timed run, wait up to this many seconds for other processes to go idle "
+                         "(default 120; --smoke 0); the CPU other processes used during each run is recorded either way")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--child", nargs=4, metavar=("KIND", "SRC", "DST", "REPORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        kind, src, dst, report = args.child
+        run_child(kind, Path(src), Path(dst), Path(report), args.seed)
+        return 0
+
+    mode = "smoke" if args.smoke else "full"
+    args.experts = args.experts or (8 if args.smoke else 256 if args.format == "fp8" else 384)
+    args.vocab = args.vocab or (16384 if args.smoke else 129280 if args.format == "fp8" else 163840)
+    args.repeat = args.repeat or (1 if args.smoke else 2)
+    if args.quiet_wait is None:
+        args.quiet_wait = 0.0 if args.smoke else 120.0
+    workdir = (args.workdir or Path(f"{DEFAULT_WORKDIR}{'-smoke' if args.smoke else ''}")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    dropped, cache_note = drop_caches()
+    print(f"[bench] {cache_note}", flush=True)
+    package = package_fingerprint()
+    print(f"[bench] atom_convert {package['version']}, sources sha256 {package['sources_sha256'][:16]}", flush=True)
+    machine = machine_info(workdir)
+    src, gen = prepare_source(args, workdir)
+    src_bytes, src_files = tree_bytes(src)
+    src_bytes -= (src / MARKER).stat().st_size
+    src_files -= 1
+
+    runs: list[dict[str, Any]] = []
+    for r in range(args.repeat):
+        order = ("copy", "convert") if r % 2 == 0 else ("convert", "copy")
+        for kind in order:
+            dst = workdir / f"out-{kind}"
+            res = timed_run(kind, src, dst, workdir, dropped, args.quiet_wait)
+            res["repeat"] = r
+            res["package_sources_sha256"] = package_fingerprint()["sources_sha256"]
+            if res["package_sources_sha256"] != package["sources_sha256"]:
+                print("[bench] WARNING: atom_convert's sources changed during this run; the runs do not all "
+                      "measure the same code (see package_sources_sha256 per run in the JSON)", flush=True)
+            runs.append(res)
+            print(f"[bench] repeat {r} {kind:7s}: {res['wall_seconds']:7.1f} s wall ({res['op_seconds']:.1f} s in-process), "
+                  f"peak RSS {fmt_gb(res['peak_rss_bytes'])}, output {fmt_gb(res['output_bytes'])}, "
+                  f"CPU {res['user_seconds'] + res['sys_seconds']:.0f} s (other processes' user CPU: {res['other_user_cpu_seconds']:.0f} s)",
+                  flush=True)
+            shutil.rmtree(dst)
+            os.sync()
+
+    copy_s = [x["wall_seconds"] for x in runs if x["kind"] == "copy"]
+    conv_s = [x["wall_seconds"] for x in runs if x["kind"] == "convert"]
+    copy_op = [x["op_seconds"] for x in runs if x["kind"] == "copy"]
+    conv_op = [x["op_seconds"] for x in runs if x["kind"] == "convert"]
+    ratio = statistics.median(conv_s) / statistics.median(copy_s)
+    rss_conv = max(x["peak_rss_bytes"] for x in runs if x["kind"] == "convert")
+    rss_copy = max(x["peak_rss_bytes"] for x in runs if x["kind"] == "copy")
+    out_bytes = [x["output_bytes"] for x in runs if x["kind"] == "convert"][0]
+    summary = {
+        "source_bytes": src_bytes,
+        "source_files": src_files,
+        "copy_seconds": copy_s,
+        "convert_seconds": conv_s,
+        "copy_op_seconds": copy_op,
+        "convert_op_seconds": conv_op,
+        "copy_median_seconds": statistics.median(copy_s),
+        "convert_median_seconds": statistics.median(conv_s),
+        "ratio_convert_over_copy_median": ratio,
+        "ratio_per_repeat": [c / p for c, p in zip(conv_s, copy_s)],
+        "ratio_op_median": statistics.median(conv_op) / statistics.median(copy_op),
+        "copy_throughput_MBps": src_bytes / statistics.median(copy_s) / 1e6,
+        "convert_throughput_MBps": src_bytes / statistics.median(conv_s) / 1e6,
+        "peak_rss_convert_bytes": rss_conv,
+        "peak_rss_copy_bytes": rss_copy,
+        "output_bytes": out_bytes,
+        "copy_other_user_cpu_seconds": [x["other_user_cpu_seconds"] for x in runs if x["kind"] == "copy"],
+        "convert_other_user_cpu_seconds": [x["other_user_cpu_seconds"] for x in runs if x["kind"] == "convert"],
+        "aims": {"ratio_max": AIM_RATIO, "ratio_met": ratio <= AIM_RATIO,
+                 "rss_max_bytes": AIM_RSS_BYTES, "rss_met": rss_conv <= AIM_RSS_BYTES},
+    }
+    result = {
+        "benchmark": ("atom-convert vs plain copy (fp8 DeepSeek-V3 width, synthetic)" if args.format == "fp8" else
+                      "atom-convert vs plain copy (Quark MXFP4 Kimi-K2 width, synthetic)"),
+        "mode": mode,
+        "timestamp": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": [Path(sys.executable).name, *sys.argv],
+        "machine": machine,
+        "package": package,
+        "package_changed_during_run": any(x["package_sources_sha256"] != package["sources_sha256"] for x in runs),
+        "page_cache": {"dropped": dropped, "note": cache_note},
+        "source": {"path": str(src), "layers": args.layers, "experts": args.experts, "shared_experts": 1,
+                   "vocab": args.vocab, "hidden": 7168, "heads": 128 if args.format == "fp8" else 64,
+                   "first_k_dense_replace": 1, "mtp_layers": 0,
+                   "format": ("fp8 e4m3fn, fp32 weight_scale_inv per 128x128 block" if args.format == "fp8" else
+                              "Quark MXFP4 routed experts (uint8 e2m1 + e8m0 per 32), other linears bf16"),
+                   "seed": args.seed,
+                   "shard_bytes": SOURCE_SHARD_BYTES, **gen},
+        "convert_args": {"target": "gfx950", "tp": 1, "shard_size": "default (5 GB)", "mtp": True},
+        "timing": "wall seconds of a fresh subprocess, start to exit (convert includes importing torch); "
+                  "op_seconds: inside the child, after imports",
+        "runs": runs,
+        "summary": summary,
+    }
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.results_dir / f"{stamp}-{mode}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print()
+    print(f"machine : {machine['cpu_model']}, {machine['nproc']} CPUs, {fmt_gb(machine['ram_bytes'])} RAM")
+    print(f"cache   : {cache_note}")
+    print(f"source  : {fmt_gb(src_bytes)} in {src_files} files ({args.layers} layers, {args.experts} experts, "
+          f"vocab {args.vocab})")
+    print(f"copy    : {', '.join(f'{s:.1f}' for s in copy_s)} s  (median {summary['copy_median_seconds']:.1f} s, "
+          f"{summary['copy_throughput_MBps']:.0f} MB/s), peak RSS {fmt_gb(rss_copy)}")
+    print(f"convert : {', '.join(f'{s:.1f}' for s in conv_s)} s  (median {summary['convert_median_seconds']:.1f} s, "
+          f"{summary['convert_throughput_MBps']:.0f} MB/s), peak RSS {fmt_gb(rss_conv)}, output {fmt_gb(out_bytes)}")
+    print(f"ratio   : convert/copy = {ratio:.2f}x (aim <= {AIM_RATIO}x: {'met' if ratio <= AIM_RATIO else 'NOT met'}); "
+          f"peak RSS aim <= {fmt_gb(AIM_RSS_BYTES)}: {'met' if rss_conv <= AIM_RSS_BYTES else 'NOT met'}")
+    noisy = [x for x in runs if x["other_user_cpu_seconds"] > 0.1 * x["wall_seconds"]]
+    if noisy:
+        print(f"warning : other processes used > 0.1 core (user CPU) during {len(noisy)} of {len(runs)} runs "
+              f"(other_user_cpu_seconds in the JSON); the machine was not quiet")
+    print(f"result  : {out}")
+
+    if not args.keep_source:
+        shutil.rmtree(src)
+        print(f"[bench] removed the source {src} (pass --keep-source to keep it for --reuse)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
