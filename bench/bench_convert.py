@@ -324,7 +324,7 @@ def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[
     if src.exists():
         shutil.rmtree(src)
     check_disk(workdir, int(DISK_FACTOR * est), 0)
-    print(f"[bench] generating {src} (~{est / 1e9:.2f} GB, fp8, seed {args.seed}) ...", flush=True)
+    print(f"[bench] generating {src} (~{est / 1e9:.2f} GB, {args.format}, seed {args.seed}) ...", flush=True)
     # In a subprocess: the generator's memory must not inflate the timed children or the page cache.
     cfg_json = workdir / ".bench-config.json"
     cfg_json.write_text(json.dumps(cfg))
