@@ -464,3 +464,12 @@ def test_per_tensor_quant_zero_and_dtype_guard():
         assert math.isfinite(sc.item()) and sc.item() > 0 and sc.item() == want_s.item()
     with pytest.raises(TypeError):
         per_tensor_quant(torch.ones(4, dtype=torch.float32), FN)
+
+
+def test_shuffle16_stays_on_the_input_device():
+    """The reference forward unshuffles on the GPU (verify --device cuda): the result must stay on
+    the input's device (checked here with the meta device, which every torch build has)."""
+    from atom_convert.quant.shuffle import shuffle16, unshuffle16
+
+    x = torch.empty(2, 32, 64, dtype=torch.float8_e4m3fn, device="meta")
+    assert shuffle16(x).device.type == "meta" and unshuffle16(x).device.type == "meta"

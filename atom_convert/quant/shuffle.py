@@ -50,7 +50,7 @@ def shuffle16(x: torch.Tensor) -> torch.Tensor:
     """
     n, k, ke, kc = _geometry(x)
     u, nu = _units(x)
-    out = torch.empty((u.shape[0], n // 16, nu, 16), dtype=torch.complex128)
+    out = torch.empty((u.shape[0], n // 16, nu, 16), dtype=torch.complex128, device=x.device)
     out.copy_(u.view(-1, n // 16, 16, nu).transpose(2, 3))
     return out.view(torch.int64).view(torch.uint8).view(x.dtype).reshape(x.shape)
 
@@ -59,6 +59,6 @@ def unshuffle16(x: torch.Tensor) -> torch.Tensor:
     """Inverse of `shuffle16` (used by the reference forward and by checks)."""
     n, k, ke, kc = _geometry(x)
     u, nu = _units(x)
-    out = torch.empty((u.shape[0], n // 16, 16, nu), dtype=torch.complex128)
+    out = torch.empty((u.shape[0], n // 16, 16, nu), dtype=torch.complex128, device=x.device)
     out.copy_(u.view(-1, n // 16, nu, 16).transpose(2, 3))
     return out.view(torch.int64).view(torch.uint8).view(x.dtype).reshape(x.shape)
