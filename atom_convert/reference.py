@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import ModelSpec
-from .decode import decode_mla, decode_weight, unpad_moe
+from .decode import decode_mla, decode_weight
 from .reader import ConvertedCheckpoint
 
 F32 = torch.float32
