@@ -6,11 +6,12 @@ How it works:
 2. With a source: every converted tensor decoded back and compared with the
    source tensors it came from (check.check_values): names the tensor that is
    wrong (a permuted head, a double shuffle, a doubled scale, gate/up swapped).
-3. With a source: transformers' own DeepseekV2/V3 model, loaded from the source
-   (fp8 dequantised first), and the converted-layout forward
+3. With a source: transformers' own DeepseekV2/V3 decoder layers, built and
+   loaded from the source one layer at a time (`SourceLayers`: one layer's
+   memory, whatever the model's size), and the converted-layout forward
    (reference.ConvertedModel) run on the same random token ids. Each checked
    layer gets the transformers layer's input (so errors do not compound), and
-   the whole stack is run end to end for the final logits.
+   both stacks are run end to end for the final logits.
 
 Thresholds (why these numbers). Every converted tensor except W_K/W_V decodes
 to exactly the value the source holds (layout steps are permutations; fnuz
@@ -38,9 +39,6 @@ being shared). Bound: rel L2 <= 0.25, cosine >= 0.97.
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,40 +92,58 @@ def _judge(what: str, kind: str, m: dict[str, float]) -> dict[str, Any]:
     return {"what": what, "kind": kind, **m, "ok": ok}
 
 
-def dequantized_source(src: SourceCheckpoint, out: Path) -> Path:
-    """The source in fp32 with fp8 weights dequantised, a config transformers loads
-    (Kimi-K2's model_type as deepseek_v3, docs/test-fixtures.md §1), and the router
-    weight and bias rounded to bf16 as the runtime holds them (spec §2.4, §8.9)."""
-    from safetensors.torch import save_file
+class SourceLayers:
+    """transformers' own DeepseekV2/V3 decoder layers, built and loaded one at a time from the
+    source, so that the reference needs one layer's memory, whatever the model's size.
 
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for name in src.names():
-        if name.endswith(".weight_scale_inv"):
-            continue
-        if name.endswith(".weight_scale") and name.removesuffix("_scale") in src:
-            continue  # an MXFP4 scale, folded into its weight's value
-        t = source_value(src, name)
+    Weights come dequantised in fp32 (fp8 blocks and Quark MXFP4 decoded by `decode.source_value`,
+    which the tests hold bit-exact against compressed-tensors and Quark); the router weight and
+    bias are rounded to bf16 as the runtime holds them (spec §2.4, §8.9). transformers keeps each
+    layer's routed experts fused in memory ([E, 2I, H] gate then up, [E, H, I]); the per-expert
+    source tensors are stacked that way here.
+    """
+
+    def __init__(self, src: SourceCheckpoint, spec: ModelSpec, device: str):
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        cfg = {k: v for k, v in src.config.items() if k not in ("quantization_config", "auto_map", "architectures")}
+        v2 = spec.architecture == "DeepseekV2ForCausalLM"
+        cfg["model_type"] = "deepseek_v2" if v2 else "deepseek_v3"  # Kimi-K2 (docs/test-fixtures.md §1)
+        self.cfg = (transformers.DeepseekV2Config if v2 else transformers.DeepseekV3Config)(**cfg)
+        self.cfg._attn_implementation = "eager"
+        if v2:
+            from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+            self._layer_cls, rotary = m.DeepseekV2DecoderLayer, m.DeepseekV2RotaryEmbedding
+        else:
+            from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+            self._layer_cls, rotary = m.DeepseekV3DecoderLayer, m.DeepseekV3RotaryEmbedding
+        self.rotary = rotary(self.cfg).to(device)
+        self.src, self.spec, self.device = src, spec, device
+
+    def value(self, name: str) -> torch.Tensor:
+        t = source_value(self.src, name)
         if name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
-            t = t.to(torch.bfloat16)
-        tensors[name] = t.to(torch.float32)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = {k: v for k, v in src.config.items() if k != "quantization_config"}
-    if cfg.get("model_type") == "kimi_k2":
-        cfg["model_type"] = "deepseek_v3"
-    cfg["num_nextn_predict_layers"] = 0
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+            t = t.to(torch.bfloat16).float()
+        return t.to(self.device)
 
-
-def _hf_model(path: Path, spec: ModelSpec, device: str) -> Any:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    cls = getattr(transformers, spec.architecture)
-    model = cls.from_pretrained(str(path), dtype=torch.float32)
-    return model.to(device).eval()
+    def layer(self, i: int) -> torch.nn.Module:
+        layer = self._layer_cls(self.cfg, i).to(torch.float32)
+        p, E = f"model.layers.{i}.", self.spec.E
+        sd = {}
+        for k in layer.state_dict():
+            if k.endswith("experts.gate_up_proj"):
+                sd[k] = torch.stack([torch.cat([self.value(f"{p}mlp.experts.{e}.gate_proj.weight"),
+                                                self.value(f"{p}mlp.experts.{e}.up_proj.weight")]) for e in range(E)])
+            elif k.endswith("experts.down_proj"):
+                sd[k] = torch.stack([self.value(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(E)])
+            else:
+                sd[k] = self.value(p + k)
+        layer.load_state_dict(sd, strict=True)
+        self.src.release()
+        return layer.to(self.device).eval()
 
 
 def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[int] | None = None, tokens: int = 16,
@@ -143,36 +159,37 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     conv = ConvertedModel(dst, device=device)
     mxfp4_bmm = bool(conv.ranks[0].manifest["layout"]["flags"].get("ATOM_USE_TRITON_MXFP4_BMM"))
     ids = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)
-    tmp = Path(tempfile.mkdtemp(prefix="atom-convert-verify-"))
-    try:
-        model = _hf_model(dequantized_source(src, tmp), spec, device)
-        src.release()
-        captured: dict[tuple[int, str], torch.Tensor] = {}
-        hooks = []
-        for i, layer in enumerate(model.model.layers):
-            hooks.append(layer.register_forward_pre_hook(
-                lambda m, a, kw, i=i: captured.__setitem__((i, "in"), (a[0] if a else kw["hidden_states"]).detach()),
-                with_kwargs=True))
-            hooks.append(layer.register_forward_hook(
-                lambda m, a, out, i=i: captured.__setitem__((i, "out"), (out[0] if isinstance(out, tuple) else out).detach())))
-            hooks.append(layer.self_attn.register_forward_hook(
-                lambda m, a, out, i=i: captured.__setitem__((i, "attn"), out[0].detach())))
-        with torch.no_grad():
-            ref_logits = model(ids[None]).logits[0]
-            for h in hooks:
-                h.remove()
-            for i in layers if layers is not None else range(spec.n_layers):
-                lo = conv.layer(i, captured[(i, "in")][0])
+    ref = SourceLayers(src, spec, device)
+    picked = set(layers if layers is not None else range(spec.n_layers))
+    t = ids.shape[0]
+    pos = torch.arange(t, device=device)[None]
+    mask = torch.full((t, t), float("-inf"), device=device).triu(1)[None, None]
+    with torch.no_grad():
+        x = ref.value("model.embed_tokens.weight")[ids][None]
+        pe = ref.rotary(x, pos)
+        for i in range(spec.n_layers):
+            layer = ref.layer(i)
+            got: dict[str, torch.Tensor] = {}
+            hook = layer.self_attn.register_forward_hook(lambda m, a, out: got.__setitem__("attn", out[0].detach()))
+            out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+            out = out[0] if isinstance(out, tuple) else out
+            hook.remove()
+            if i in picked:
+                lo = conv.layer(i, x[0])
                 result.rows.append(_judge(f"layer {i} attention (W_K/W_V)", "attn_mxfp4" if mxfp4_bmm else "attn",
-                                          compare(lo.attn, captured[(i, "attn")][0])))
+                                          compare(lo.attn, got["attn"][0])))
                 result.rows.append(_judge(f"layer {i} attention (kv_b prefill)", "attn_prefill",
-                                          compare(lo.attn_prefill, captured[(i, "attn")][0])))
-                result.rows.append(_judge(f"layer {i} output", "layer", compare(lo.out, captured[(i, "out")][0])))
-            result.rows.append(_judge("final logits (kv_b prefill path)", "logits", compare(conv.forward(ids), ref_logits, logits=True)))
-            result.rows.append(_judge("final logits (W_K/W_V path, info)", "info",
-                                      compare(conv.forward(ids, absorbed=True), ref_logits, logits=True)))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                                          compare(lo.attn_prefill, got["attn"][0])))
+                result.rows.append(_judge(f"layer {i} output", "layer", compare(lo.out, out[0])))
+            x = out
+            del layer
+        h = x[0].float()
+        h = ref.value("model.norm.weight") * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps))
+        ref_logits = h @ ref.value("lm_head.weight").T
+        src.release()
+        result.rows.append(_judge("final logits (kv_b prefill path)", "logits", compare(conv.forward(ids), ref_logits, logits=True)))
+        result.rows.append(_judge("final logits (W_K/W_V path, info)", "info",
+                                  compare(conv.forward(ids, absorbed=True), ref_logits, logits=True)))
     return result
 
 
