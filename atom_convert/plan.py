@@ -33,7 +33,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
