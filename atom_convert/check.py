@@ -3,9 +3,10 @@
 `check_files`: every file's size and sha256 against the manifest, every
 tensor's name, dtype and shape in the shard headers against its entry.
 `check_values`: decodes the converted tensors back into source space (undo the
-shuffle, decode fp8 incl. fnuz, apply scales, undo the fusion/stacking and the
-rank split) and compares them with the dequantised source tensors: exactly
-for layout steps, within fp8 rounding for the re-quantised MLA operands.
+shuffle, decode fp8 incl. fnuz, apply scales, undo the fusion/stacking) and
+compares them with the dequantised source tensors cut for the rank by the
+manifest's split record (never inferred from shapes): exactly for layout
+steps, within fp8 rounding for the re-quantised MLA operands.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from .errors import ConvertedCheckError
-from .manifest import read_manifest, sha256_file
+from .manifest import Manifest, read_manifest, sha256_file
+from .parallel import Split
 from .quant.formats import ST_DTYPE, dtype_from_name
 from .decode import decode_mla, decode_weight, source_value, unpad_moe
 from .reader import ConvertedCheckpoint
@@ -89,68 +91,71 @@ def check_files(path: str | Path, report: CheckReport | None = None) -> CheckRep
 # ------------------------------------------------------------------------------------------------
 
 
-def _split(full: torch.Tensor, have: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
-    """The rank's slice of `full`, on whichever dim the converted shape is 1/tp of."""
-    if tuple(full.shape) == have:
+def _cut(full: torch.Tensor, split: Split, rank: int, dim: int | None = None) -> torch.Tensor:
+    """The rank's piece of a source tensor, as the manifest's split record says (parallel.py)."""
+    if split.ways == 1:
         return full
-    for d in range(full.dim()):
-        if full.shape[d] == have[d] * tp:
-            n = have[d]
-            return full.narrow(d, rank * n, n)
-    raise ConvertedCheckError(f"cannot relate source shape {list(full.shape)} to converted {list(have)} at tp={tp}")
+    d = split.dim if dim is None else dim
+    n = full.shape[d] // split.ways
+    return full.narrow(d, split.piece(rank) * n, n)
 
 
-def _expected_experts(src: SourceCheckpoint, name: str, weights: list[str], got: torch.Tensor, rank: int,
-                      tp: int) -> torch.Tensor:
-    per = len(weights) // got.shape[0]
-    parts = [weights[i * per:(i + 1) * per] for i in range(got.shape[0])]
+def _expected_experts(src: SourceCheckpoint, name: str, weights: list[str], got: torch.Tensor, split: Split,
+                      slots: list[int], n_routed: int, rank: int) -> torch.Tensor:
+    """Stacked experts of this rank: slot k holds expert `slots[k]` (the shared expert as id E),
+    each cut on I into `split.ways` pieces (spec atom-parallel.md §1.2, §2.2)."""
+    total = n_routed + (1 if any(".shared_experts." in w for w in weights) else 0)
+    per = len(weights) // total
+    ids = slots[:got.shape[0]]
+    parts = [weights[i * per:(i + 1) * per] for i in ids]
     if name.endswith("w13_weight"):
-        half = (got.shape[1] // 2, got.shape[2])
-        return torch.stack([torch.cat([_split(source_value(src, n), half, rank, tp) for n in p if "down_proj" not in n])
+        return torch.stack([torch.cat([_cut(source_value(src, n), split, rank, 0) for n in p if "down_proj" not in n])
                             for p in parts])
-    return torch.stack([_split(source_value(src, [n for n in p if "down_proj" in n][0]), tuple(got.shape[1:]), rank, tp)
-                        for p in parts])
+    return torch.stack([_cut(source_value(src, [n for n in p if "down_proj" in n][0]), split, rank, 1) for p in parts])
 
 
 def check_values(path: str | Path, source: str | Path, report: CheckReport | None = None) -> CheckReport:
-    """Decode every converted tensor and compare it with the source tensors it came from."""
+    """Decode every converted tensor and compare it with the source tensors it came from, cut for
+    each rank as the manifest's split record says (a common tensor is checked once: every rank
+    reads the same file)."""
     report = report or CheckReport()
     src = SourceCheckpoint(source)
-    for root, m in _sets(Path(path)):
-        tp = int(m["tp_size"])
-        for rank in range(tp):
+    for root, _ in _sets(Path(path)):
+        man = Manifest.read(root)
+        par = man.parallel
+        n_routed = int(man.raw.get("model", {}).get("n_routed_experts") or 0)
+        for rank in range(par.world):
             ck = ConvertedCheckpoint(root, rank)
-            for name, e in m["tensors"].items():
+            for name, e in man.tensors.items():
                 if name.endswith("_scale") or name.endswith(".W_V"):
                     continue
-                if name.endswith(".W_K"):
-                    _check_mla(ck, src, name.removesuffix(".W_K"), e["sources"], rank, tp, report)
+                if e.placement == "common" and rank > 0:
                     continue
-                weights = [s for s in e["sources"] if not s.endswith(("_scale_inv", ".weight_scale"))]
+                if name.endswith(".W_K"):
+                    _check_mla(ck, src, name.removesuffix(".W_K"), e.sources, e.split, rank, report)
+                    continue
+                weights = [s for s in e.sources if not s.endswith(("_scale_inv", ".weight_scale"))]
                 got = decode_weight(ck, name)
-                if got.dim() == 3:  # stacked experts: per expert [gate; up] or down
+                if e.split.kind == "experts":  # stacked experts: per expert [gate; up] or down
                     which = "w13" if name.endswith("w13_weight") else "w2"
-                    got = unpad_moe(got, e, which)
-                    exp = _expected_experts(src, name, weights, got, rank, tp)
+                    got = unpad_moe(got, ck.entry(name), which)
+                    exp = _expected_experts(src, name, weights, got, e.split, par.ranks[rank].slots, n_routed, rank)
                 else:
-                    vals = [source_value(src, n) for n in weights]
-                    if len(vals) > 1 and got.shape[0] != sum(v.shape[0] for v in vals):
-                        exp = torch.cat([_split(v, (v.shape[0] // tp, *v.shape[1:]), rank, tp) for v in vals])
-                    else:
-                        exp = _split(torch.cat(vals) if len(vals) > 1 else vals[0], tuple(got.shape), rank, tp)
-                    if e["dtype"] == "bfloat16":  # bf16 outputs of fp32 sources (router) are rounded
+                    exp = torch.cat([_cut(source_value(src, n), e.split, rank) for n in weights])
+                    if e.dtype == "bfloat16":  # bf16 outputs of fp32 sources (router) are rounded
                         exp = exp.to(torch.bfloat16).float()
-                if not torch.equal(got, exp):
-                    bad = int((got != exp).sum())
-                    report.problems.append(f"{root.name}/rank{rank}: {name} differs from its sources in {bad} element(s)")
+                if got.shape != exp.shape or not torch.equal(got, exp):
+                    bad = int((got != exp).sum()) if got.shape == exp.shape else f"shape {list(got.shape)} vs"
+                    report.problems.append(f"{root.name}/rank{rank}: {name} differs from its sources in {bad} element(s)"
+                                           + (f" {list(exp.shape)}" if got.shape != exp.shape else ""))
                 report.values_checked += 1
             ck.close()
     src.release()
     return report
 
 
-def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, owner: str, sources: list[str], rank: int, tp: int,
-               report: CheckReport) -> None:
+def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, owner: str, sources: list[str], split: Split,
+               rank: int, report: CheckReport) -> None:
     """W_K/W_V decode to the rank's kv_b heads within their format's rounding (they are
     re-quantised, spec §4.1/§4.2): fp8 e4m3 moves a value by at most 2^-4 of the tensor's amax;
     MXFP4 e2m1 (1 mantissa bit, one scale per 32) by at most 2^-2 of its block's amax."""
@@ -159,7 +164,8 @@ def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, owner: str, sourc
     mxfp4 = ck.entry(f"{owner}.W_K").get("runtime_dtype") is not None
     nr, L, P = wk.shape
     V = wv.shape[1]
-    x = kvb.view(-1, P + V, L)[rank * nr:(rank + 1) * nr]
+    piece = split.piece(rank)  # the rank's kv_b heads (all of them when the split has one piece)
+    x = kvb.view(-1, P + V, L)[piece * nr:(piece + 1) * nr]
     for label, got, exp in ((f"{owner}.W_K", wk, x[:, :P, :].transpose(1, 2)), (f"{owner}.W_V", wv, x[:, P:, :])):
         if mxfp4:  # relative to each 32-block's amax along the last dim
             blocks = exp.reshape(*exp.shape[:-1], -1, 32).abs().amax(-1, keepdim=True).clamp(min=1e-30)

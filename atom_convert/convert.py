@@ -30,7 +30,8 @@ from . import loaders, quant
 from .errors import BadInputError, DestinationExistsError
 from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
-from .plan import ConversionPlan, ModelPlan, ShardPlan, assign_shards
+from .parallel import Parallel
+from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
 from .profile import get_profile
 from .quant.formats import TARGETS
 from .source import SourceCheckpoint
@@ -51,7 +52,8 @@ class SetLayout:
     """One converted set (main or MTP): its plan and each rank's shards."""
 
     plan: ModelPlan
-    shards: list[list[ShardPlan]]
+    shards: list[list[ShardPlan]]  # per rank: the rank's own files
+    common: list[ShardPlan]  # files every rank maps (tensors identical on every rank, spec atom-parallel.md §3.1)
 
 
 def _large_allocations_via_mmap() -> None:
@@ -92,42 +94,62 @@ def parse_size(text: str | int) -> int:
 
 
 def make_plan(src: SourceCheckpoint, *, target: str = "gfx950", tp: int = 1, mtp: bool = True,
-              profile: str = "atom", mla_bmm: str = "fp8") -> ConversionPlan:
+              profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False, dp_attention: bool = False,
+              shared_experts: str = "fused", mori: bool = False) -> ConversionPlan:
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
     fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
     loader = loaders.get_loader(spec)
-    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp, mla_bmm=mla_bmm)
+    par = Parallel(tp=tp, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp, mla_bmm=mla_bmm,
+                       parallel=par)
+
+
+def _set_layout(plan: ConversionPlan, mplan: ModelPlan, shard_size: int) -> SetLayout:
+    outs = mplan.outputs()
+    common = [o for o in outs if plan.is_common(o)]
+    own = [o for o in outs if not plan.is_common(o)]
+    shards = [assign_shards(own, r, plan.tp, shard_size) if own else [] for r in range(plan.tp)]
+    return SetLayout(mplan, shards, assign_shards(common, COMMON, plan.tp, shard_size) if common else [])
 
 
 def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, SetLayout | None]:
-    outs = plan.main.outputs()
-    main = SetLayout(plan.main, [assign_shards(outs, r, plan.tp, shard_size) for r in range(plan.tp)])
-    mtp = None
-    if plan.mtp is not None:
-        mo = plan.mtp.outputs()
-        mtp = SetLayout(plan.mtp, [assign_shards(mo, r, plan.tp, shard_size) for r in range(plan.tp)])
+    main = _set_layout(plan, plan.main, shard_size)
+    mtp = _set_layout(plan, plan.mtp, shard_size) if plan.mtp is not None else None
     return main, mtp
 
 
-def _write_set(layout: SetLayout, directory: Path, tp: int, progress: Callable[[int], None],
+def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progress: Callable[[int], None],
                src: SourceCheckpoint) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
-    writer = ShardSetWriter(directory, layout.shards, layout.plan.outputs(), on_bytes=progress)
+    tp = plan.tp
+    # The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
+    # producer (its split has one piece, so every rank's producer would yield the same bytes).
+    writer = ShardSetWriter(directory, layout.shards + [layout.common], layout.plan.outputs(), on_bytes=progress)
     try:
         for group in layout.plan.groups:
             for rank in range(tp):
                 cache: dict[str, Any] = {}
                 for out in group.outputs:
+                    if plan.is_common(out):
+                        if rank == 0:
+                            writer.write(tp, out, out.produce(0, cache))
+                        continue
                     writer.write(rank, out, out.produce(rank, cache))
             # Wait for the writes of this group: queued buffers may be views of source pages,
             # and the next group must start with none of them alive (bounded working set).
             writer.drain()
             src.release()  # unmap this group's source pages
-        return writer.close(), writer.tensor_file
+        files = writer.close()
     except BaseException:
         writer.abort()
         raise
+    where = dict(writer.tensor_file)
+    for (slot, name), f in writer.tensor_file.items():
+        if slot == tp:  # every rank reads a common tensor from the same file
+            for r in range(tp):
+                where[(r, name)] = f
+    return files, where
 
 
 def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
@@ -167,14 +189,21 @@ def _staging(dst: Path) -> Iterator[Path]:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
-            progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8") -> dict[str, Any]:
+            progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
+            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
         src: checkpoint folder (config.json plus model.safetensors or an index and shards).
         dst: output folder; must not exist unless `force`.
         target: "gfx950" (MI355, e4m3fn) or "gfx942" (MI300/MI325, e4m3fnuz).
-        tp: tensor-parallel size; one set of shards per rank.
+        tp: ATOM's `-tp`: the number of GPUs; one set of shards per rank.
+        ep: ATOM's `--enable-expert-parallel` (spec atom-parallel.md §1): whole experts per rank.
+        dp_attention: ATOM's `--enable-dp-attention` (§2): attention, dense MLPs, embeddings and
+            lm_head whole on every rank (stored once), routed experts split by EP or MoE-TP.
+        shared_experts: "fused" (ATOM_FUSE_SHARED_EXPERT=1, default) or "separate" (=0, with
+            dp_attention and mori only, spec §3.2).
+        mori: whether the serving host can import `mori` (decides the shared-expert mode, §3.2-3.3).
         shard_size: upper bound per shard file (bytes, or text like "5GB").
         mtp: convert the DeepSeek-V3/R1 MTP layer into `dst/mtp/` (False drops it).
         force: replace an existing `dst`.
@@ -195,19 +224,20 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
     source = SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
+                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
-    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards for s in r)
+    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common] for s in r)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
     try:
         with _staging(dst) as tmp:
             mtp_manifest = None
             if mtp_layout is not None:
-                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan.tp, bar.update, source)
+                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source)
                 copied = _copy_side_files(source.path, tmp / MTP_DIR)
                 mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
                 write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
-            files, where = _write_set(main, tmp, plan.tp, bar.update, source)
+            files, where = _write_set(main, tmp, plan, bar.update, source)
             copied = _copy_side_files(source.path, tmp)
             manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
                                       mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
@@ -220,26 +250,34 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 
 
 def plan_summary(src: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
-                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8") -> dict[str, Any]:
-    """The dry-run plan: every output tensor with dtype, shape, bytes and shard; reads no tensor data."""
+                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
+                 profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
+                 mori: bool = False) -> dict[str, Any]:
+    """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
+    tensor appears once, as rank "common"), and the parallel block; reads no tensor data."""
     source = SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm)
+    plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
+                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
     sets = []
     for role, lay in (("main", main), ("mtp", mtp_layout)):
         if lay is None:
             continue
         rows = []
-        for rank, shards in enumerate(lay.shards):
+        pre = f"{MTP_DIR}/" if role == "mtp" else ""
+        for rank, shards in [*enumerate(lay.shards), ("common", lay.common)]:
             file_of = {n: s.file for s in shards for n in s.names}
             for o in lay.plan.outputs():
-                rows.append({"rank": rank, "name": o.name,
-                             "dtype": o.runtime_dtype or str(o.dtype).removeprefix("torch."),
-                             "shape": list(o.shape), "bytes": o.nbytes,
-                             "file": (f"{MTP_DIR}/" if role == "mtp" else "") + file_of[o.name]})
+                if o.name in file_of:
+                    rows.append({"rank": rank, "name": o.name,
+                                 "dtype": o.runtime_dtype or str(o.dtype).removeprefix("torch."),
+                                 "shape": list(o.shape), "bytes": o.nbytes, "file": pre + file_of[o.name],
+                                 "split": o.split.as_dict()})
         sets.append({"role": role, "tensors": rows,
-                     "shards": [{"file": s.file, "rank": s.rank, "tensors": len(s.names), "bytes": s.nbytes}
-                                for r in lay.shards for s in r]})
+                     "shards": [{"file": s.file, "rank": "common" if s.rank == COMMON else s.rank,
+                                 "tensors": len(s.names), "bytes": s.nbytes}
+                                for r in lay.shards + [lay.common] for s in r]})
     return {"architecture": plan.spec.architecture, "model_type": plan.spec.model_type,
-            "source_format": plan.source_format, "target": target, "tp": tp, "sets": sets,
+            "source_format": plan.source_format, "target": target, "tp": tp, "profile": plan.profile.name,
+            "parallel": plan.parallel_layout().as_dict(), "sets": sets,
             "dropped": plan.dropped, "total_bytes": sum(s["bytes"] for st in sets for s in st["shards"])}

@@ -7,7 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .quant.formats import dtype_from_name
 from .model import ModelSpec
 from .quant import detect_format
 from .source import SourceCheckpoint
@@ -71,9 +72,48 @@ def layer_formats(spec: ModelSpec, fmt: Any) -> dict[str, str]:
     return out
 
 
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = dtype_from_name(dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def rank_bytes(path: Path) -> dict[str, Any]:
+    """Per rank: the tensor bytes it needs, the tensor bytes of the files it maps (its own and the
+    common ones, each file counted once), and their ratio: 1.0 when no file a rank maps holds
+    another rank's tensors. Main and MTP sets together; from the manifests only."""
+    sets = [Manifest.read(path)]
+    if sets[0].mtp.get("status") == "converted":
+        sets.append(Manifest.read(path / sets[0].mtp["path"]))
+    world = sets[0].parallel.world
+    out: dict[str, Any] = {}
+    common = 0
+    for r in range(world):
+        need = read = own = 0
+        for m in sets:
+            in_file: dict[str, int] = {}
+            for e in m.tensors.values():
+                for f in set(e.rank_files):
+                    in_file[f] = in_file.get(f, 0) + _nbytes(e.dtype, e.shape)
+            for e in m.tensors.values():
+                b = _nbytes(e.dtype, e.shape)
+                need += b
+                if e.placement != "common":
+                    own += b
+                elif r == 0:
+                    common += b
+            read += sum(in_file[f] for f in m.rank_files(r))
+        out[f"rank {r}"] = {"own bytes": own, "needs": need, "reads": read, "read/need": round(read / need, 6)}
+    return {"common bytes": common, **out}
+
+
 def _describe_converted(path: Path) -> dict[str, Any]:
     m = read_manifest(path)
+    typed = Manifest.read(path)
+    par = typed.parallel
     dtypes = Counter(e["dtype"] for e in m["tensors"].values())
+    placement = Counter(e.placement for e in typed.tensors.values())
     return {
         "kind": "atom-convert output",
         "path": str(path),
@@ -84,6 +124,13 @@ def _describe_converted(path: Path) -> dict[str, Any]:
         "source quant_format": m["source"]["quant_format"],
         "target": f"{m['target']} ({m['fp8_dtype']})",
         "tp_size": m["tp_size"],
+        "parallel": {"mode": _mode(par), "tp": par.tp, "dp": par.dp, "ep": par.ep, "dp_attention": par.dp_attention,
+                     "attention tp": par.attn_tp, "moe tp": par.moe_tp, "shared experts": par.shared_experts,
+                     "shared expert mode": par.shared_expert_mode, "mori importable": par.mori_importable,
+                     "expert slots per rank": {f"rank {r.rank}": _slots(r.slots, m["model"]["n_routed_experts"])
+                                               for r in par.ranks} if m["model"]["n_routed_experts"] else {}},
+        "tensors common / per rank": f"{placement.get('common', 0)} / {placement.get('per_rank', 0)}",
+        "bytes per rank": rank_bytes(path),
         "layout": {"atom_revision": m["layout"]["atom_revision"], "profile": m["layout"]["profile"],
                    **m["layout"]["flags"]},
         "tensors per rank": len(m["tensors"]),
@@ -95,3 +142,18 @@ def _describe_converted(path: Path) -> dict[str, Any]:
         "mtp": m.get("mtp", {}).get("status"),
         "dropped source tensors": len(m.get("dropped", {})),
     }
+
+
+def _mode(par: Any) -> str:
+    if par.world == 1:
+        return "single GPU"
+    parts = ["DP-attention" if par.dp_attention else f"TP {par.tp}"]
+    parts.append(f"EP {par.ep}" if par.ep > 1 else f"MoE-TP {par.moe_tp}")
+    return " + ".join(parts)
+
+
+def _slots(slots: list[int], E: int) -> str:
+    """'0-31 + shared' for a contiguous block of routed ids."""
+    routed = [i for i in slots if i < E]
+    text = f"{routed[0]}-{routed[-1]}" if routed and routed == list(range(routed[0], routed[-1] + 1)) else str(routed)
+    return text + (" + shared" if E in slots else "")

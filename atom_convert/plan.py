@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .model import ModelSpec
+from .parallel import REPLICATED, Parallel, ParallelLayout, Split
 from .profile import NamingProfile
 
 # Produces one rank's tensor as chunks along dim 0 (or the whole tensor); the
@@ -30,6 +31,16 @@ class OutTensor:
     is_shuffled: bool = False
     runtime_dtype: str | None = None  # the dtype the runtime views the stored bytes as, if different
     meta: dict[str, Any] = field(default_factory=dict)  # padding and layout notes for loaders and checks
+    split: Split = REPLICATED  # how the ranks divide it (parallel.py); `produce` is called per rank
+    rank_sources: list[tuple[str, ...]] | None = None  # per rank, when ranks read different sources (EP)
+
+    def sources_of(self, rank: int) -> tuple[str, ...]:
+        """The source tensors rank `rank`'s copy is made from."""
+        return self.rank_sources[rank] if self.rank_sources is not None else self.sources
+
+    @property
+    def identical_on_every_rank(self) -> bool:
+        return self.split.kind != "experts" and self.split.ways == 1
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +82,15 @@ class ConversionPlan:
     mtp_status: str  # "converted", "dropped by --no-mtp", "not in the checkpoint", "absent"
     dropped: dict[str, str]  # source name -> reason
     layout_flags: dict[str, Any]
+    parallel: Parallel = field(default_factory=Parallel)
+
+    def is_common(self, o: OutTensor) -> bool:
+        """Written once, in a common file every rank maps (spec atom-parallel.md §3.1)."""
+        return self.parallel.common_files and o.identical_on_every_rank
+
+    def parallel_layout(self) -> ParallelLayout:
+        fused = "fused_shared_expert" in self.main.moe_layers.values()
+        return ParallelLayout.of(self.parallel, self.spec.E, self.spec.S, fused)
 
 
 @dataclass
@@ -79,6 +99,9 @@ class ShardPlan:
     rank: int
     names: list[str]
     nbytes: int
+
+
+COMMON = -1  # the ShardPlan.rank of common files (read by every rank)
 
 
 def assign_shards(outputs: list[OutTensor], rank: int, tp: int, max_bytes: int, prefix: str = "model") -> list[ShardPlan]:
@@ -97,7 +120,7 @@ def assign_shards(outputs: list[OutTensor], rank: int, tp: int, max_bytes: int, 
         names.append(o.name)
         groups[-1] = (names, size + cost)
     n = len(groups)
-    tag = f"-rank{rank}" if tp > 1 else ""
+    tag = "-common" if rank == COMMON else f"-rank{rank}" if tp > 1 else ""
     by_name = {o.name: o.nbytes for o in outputs}
     return [
         ShardPlan(f"{prefix}{tag}-{k + 1:05d}-of-{n:05d}.safetensors", rank, names, sum(by_name[x] for x in names))

@@ -3,7 +3,12 @@ only a converted directory (its tensors and manifest) and its config.json.
 
 It is a checker, not a serving engine: everything runs in fp32 for clarity,
 and tensor parallelism is emulated by running every rank's slice and summing
-the partial outputs, as the runtime's all-reduce does. Each converted weight
+the partial outputs, as the runtime's all-reduce does. Every parallel mode of
+the manifest's `parallel` block is served (spec atom-parallel.md): attention,
+dense MLPs and the vocabulary run over the attention TP group (once under
+DP-attention, where every rank holds the same tensors), routed experts over
+every rank by their slot maps (summed across ranks under EP, the shared slot
+of each token taken from one rank as ATOM's dispatch does, §1.2). Each converted weight
 is decoded exactly as the runtime reads it: shuffle undone, fp8 decoded by its
 own dtype (e4m3fnuz on gfx942 holds half the e4m3fn value, with doubled
 scales), block scales applied. MLA runs the absorbed way with W_K/W_V and their
@@ -85,8 +90,9 @@ class ConvertedModel:
 
         self.path = Path(path)
         self.ranks = [ConvertedCheckpoint(self.path, 0)]
-        tp = int(self.ranks[0].manifest["tp_size"])
-        self.ranks += [ConvertedCheckpoint(self.path, r) for r in range(1, tp)]
+        self.par = self.ranks[0].typed.parallel
+        self.ranks += [ConvertedCheckpoint(self.path, r) for r in range(1, self.par.world)]
+        self.attn_ranks = range(self.par.attn_tp)  # rank r < attn_tp holds attention piece r
         self.config = json.loads((self.path / "config.json").read_text())
         self.spec = ModelSpec.from_config(self.config)
         self.device = device
@@ -96,7 +102,7 @@ class ConvertedModel:
         return decode_weight(self.ranks[rank], name, self.device)
 
     def _vocab(self, name: str) -> torch.Tensor:
-        return torch.cat([self.w(name, r) for r in range(len(self.ranks))])
+        return torch.cat([self.w(name, r) for r in self.attn_ranks])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._vocab("model.embed_tokens.weight")[ids]
@@ -108,7 +114,7 @@ class ConvertedModel:
     # -- attention (spec §2.2, §4.1) --------------------------------------------------------
     def _attn_rank(self, p: str, x: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        nr = s.Nh // len(self.ranks)
+        nr = s.Nh // self.par.attn_tp
         a = f"{p}self_attn."
         if s.Q is not None:
             qkv = x @ self.w(f"{a}fused_qkv_a_proj.weight", r).T
@@ -145,13 +151,13 @@ class ConvertedModel:
         return absorbed, prefill
 
     def attention(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        outs = [self._attn_rank(p, x, r) for r in range(len(self.ranks))]
+        outs = [self._attn_rank(p, x, r) for r in self.attn_ranks]
         return sum(o[0] for o in outs), sum(o[1] for o in outs)  # type: ignore[return-value]
 
     # -- MLP / MoE (spec §2.3, §2.4) ---------------------------------------------------------------
     def _mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
         out = 0
-        for r in range(len(self.ranks)):
+        for r in self.attn_ranks:
             gu = self.w(f"{name}.gate_up_proj.weight", r)
             g, u = gu.chunk(2, 0)  # gate first, then up
             out = out + (F.silu(x @ g.T) * (x @ u.T)) @ self.w(f"{name}.down_proj.weight", r).T
@@ -186,20 +192,24 @@ class ConvertedModel:
         layout = self.ranks[0].manifest["model"]["moe_layers"][p.rstrip(".")]
         out = torch.zeros_like(x)
         base = f"{p}mlp.experts."
+        ep = self.par.ep
         for r in range(len(self.ranks)):
             w13 = self.w(base + "w13_weight", r)
             w2 = self.w(base + "w2_weight", r)
-            slots = [(e, (ids == e)) for e in range(s.E)]
-            for e, hit in slots:
-                tok, k = hit.nonzero(as_tuple=True)
+            slot_ids = self.par.ranks[r].slots[: w13.shape[0]]  # slot -> expert id; id E is the shared expert
+            for slot, e in enumerate(slot_ids):
+                g, u = w13[slot].chunk(2, 0)
+                if e == s.E:  # the fused shared expert, weight 1 for every token
+                    # Under EP each token's shared column runs on one rank, token mod ep (spec §1.2).
+                    tok = torch.arange(x.shape[0], device=x.device)
+                    tok = tok[tok % ep == r % ep] if ep > 1 else tok
+                    out.index_add_(0, tok, (F.silu(x[tok] @ g.T) * (x[tok] @ u.T)) @ w2[slot].T)
+                    continue
+                tok, k = (ids == e).nonzero(as_tuple=True)
                 if tok.numel() == 0:
                     continue
-                g, u = w13[e].chunk(2, 0)
                 h = F.silu(x[tok] @ g.T) * (x[tok] @ u.T)
-                out.index_add_(0, tok, (h @ w2[e].T) * wts[tok, k, None])
-            if layout == "fused_shared_expert":  # slot E, weight 1 for every token
-                g, u = w13[s.E].chunk(2, 0)
-                out += (F.silu(x @ g.T) * (x @ u.T)) @ w2[s.E].T
+                out.index_add_(0, tok, (h @ w2[slot].T) * wts[tok, k, None])
         if layout == "separate_shared_experts":
             out += self._mlp(f"{p}mlp.shared_experts", x)
         return out

@@ -365,7 +365,7 @@ def test_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 def test_api_returns_the_manifest(api_run: tuple[Path, dict[str, Any]], src: Path) -> None:
     dst, m = api_run
     assert m == json.loads((dst / MANIFEST).read_text())
-    assert m["format_version"] == 1
+    assert m["format_version"] == 2
     assert m["tool_version"] == atom_convert.__version__
     assert m["target"] == "gfx942" and m["fp8_dtype"] == "float8_e4m3fnuz" and m["tp_size"] == 1
     lay = m["layout"]

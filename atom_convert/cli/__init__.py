@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from ..errors import AtomConvertError
+from ..profile import PROFILES
 from ..quant.formats import TARGETS
 
 
@@ -35,6 +36,8 @@ def cli() -> None:
     "atom-convert convert ./Kimi-K2-Instruct ./kimi-mi300 --target gfx942 --tp 8 --shard-size 10GB",
     "atom-convert convert ./DeepSeek-R1 ./r1-atom --no-mtp --dry-run",
     "atom-convert convert ./Kimi-K2-Thinking-MXFP4 ./kimi-mxfp4-atom --target gfx950 --tp 4 --mla-bmm mxfp4",
+    "atom-convert convert ./DeepSeek-R1 ./r1-tp8-ep --tp 8 --ep",
+    "atom-convert convert ./DeepSeek-R1 ./r1-dpa-ep --tp 8 --dp-attention --ep",
 ))
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -49,24 +52,36 @@ def cli() -> None:
 @click.option("--mla-bmm", type=click.Choice(["fp8", "mxfp4"]), default="fp8", show_default=True,
               help="Format of the MLA operands W_K/W_V: fp8 (ATOM default) or mxfp4 (gfx950, the layout of "
                    "ATOM_USE_TRITON_MXFP4_BMM=1).")
+@click.option("--ep", is_flag=True, help="Expert parallel (ATOM --enable-expert-parallel): whole experts per rank.")
+@click.option("--dp-attention", is_flag=True,
+              help="ATOM --enable-dp-attention: attention, dense MLPs, embeddings whole on every rank (stored once).")
+@click.option("--shared-experts", type=click.Choice(["fused", "separate"]), default="fused", show_default=True,
+              help="The shared expert as a fused expert slot (ATOM_FUSE_SHARED_EXPERT=1) or a separate replicated "
+                   "MLP (=0; only with --dp-attention --mori, where ATOM honours it).")
+@click.option("--mori", is_flag=True, help="The serving host can import mori (all2all under --dp-attention --ep).")
+@click.option("--profile", type=click.Choice(sorted(PROFILES)), default="atom", show_default=True,
+              help="Runtime names: atom (native server) or vllm-plugin (ATOM inside vLLM).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
-            mla_bmm: str, as_json: bool) -> None:
+            mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str, mori: bool, profile: str,
+            as_json: bool) -> None:
     """Convert the checkpoint in SRC into ATOM's layout in DST."""
     from ..convert import convert as run_convert
     from ..convert import plan_summary
 
+    par = dict(ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
     if dry_run:
-        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm)
+        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm, **par)
         if as_json:
             click.echo(json.dumps(plan, indent=1))
         else:
             _print_plan(plan)
         return
     m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
-                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm)
+                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, **par)
     if as_json:
-        click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "files", "mtp", "conversion_seconds")}, indent=1))
+        click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "parallel", "files", "mtp", "conversion_seconds")},
+                              indent=1))
         return
     total = sum(f["bytes"] for f in m["files"].values())
     click.echo(f"converted {m['source']['architecture']} ({m['source']['model_type']}, {m['source']['quant_format']}) "
@@ -85,8 +100,10 @@ def _human(n: float) -> str:
 
 
 def _print_plan(plan: dict[str, Any]) -> None:
+    par = plan["parallel"]
     click.echo(f"plan: {plan['architecture']} ({plan['model_type']}, {plan['source_format']}) -> ATOM layout for "
-               f"{plan['target']}, tp={plan['tp']}; nothing is written (--dry-run)")
+               f"{plan['target']}, tp={plan['tp']} (ep={par['ep']}, dp_attention={par['dp_attention']}, "
+               f"profile {plan['profile']}); nothing is written (--dry-run)")
     for st in plan["sets"]:
         click.echo(f"\n[{st['role']}]")
         click.echo(f"{'rank':>4}  {'tensor':<72} {'dtype':<16} {'shape':<22} {'bytes':>12}  file")

@@ -14,6 +14,7 @@ from ..errors import UnsupportedError
 
 if TYPE_CHECKING:
     from ..model import ModelSpec
+    from ..parallel import Parallel
     from ..plan import ConversionPlan
     from ..profile import NamingProfile
     from ..quant.base import SourceFormat
@@ -48,6 +49,7 @@ class ArchLoader(ABC):
         profile: "NamingProfile",
         mtp: bool,
         mla_bmm: str = "fp8",
+        parallel: "Parallel | None" = None,
     ) -> "ConversionPlan":
         """Check the source against the config and plan every output tensor."""
 

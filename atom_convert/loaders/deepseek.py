@@ -24,6 +24,7 @@ import torch
 
 from ..errors import BadInputError, CheckpointError, UnsupportedError
 from ..model import ModelSpec
+from ..parallel import REPLICATED, Parallel, Split
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
 from ..postload import FP4X2, LINEAR, MOE, TensorSpec
 from ..profile import NamingProfile
@@ -142,6 +143,11 @@ class _Ctx:
     problems: list[str]
     consumed: set[str]
     mla_bmm: str = "fp8"
+    par: Parallel = Parallel()  # `tp` above is its attn_tp: the aiter TP group of everything but routed experts
+
+    def split(self, kind: str, dim: int = 0) -> Split:
+        """A non-expert tensor cut in `tp` pieces (replicated when tp is 1)."""
+        return Split(kind, self.tp, dim) if self.tp > 1 else REPLICATED
 
     @property
     def fp8(self) -> torch.dtype:
@@ -207,7 +213,7 @@ def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], voca
                 f"evenly without padding (spec §2.1)"
             )
         local = (shape[0] // ctx.tp, *shape[1:])
-        return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name))]
+        return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name), split=ctx.split("dim"))]
     return [OutTensor(out_name, BF16, shape, (src_name,), partial(_whole, ctx, src_name))]
 
 
@@ -288,16 +294,19 @@ def _plan_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_prefix: str,
     sources = tuple(n for p, c in zip(rule.parts, codecs) for n in c.source_names(src_prefix + p))
     wname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight")
     wspec, sspec = LINEAR[codecs[0].name].plan(rows, cols, ctx.target)
-    outs = [_out(wname, wspec, sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs))]
+    split = REPLICATED if rule.par is Par.REPLICATED else ctx.split("dim", 0 if rule.par is Par.COLUMN else 1)
+    outs = [_out(wname, wspec, sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs), split)]
     if sspec is not None:
         sname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight_scale")
-        outs.append(_out(sname, sspec, sources, partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale")))
+        outs.append(_out(sname, sspec, sources, partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale"),
+                         split))
     return outs
 
 
-def _out(name: str, spec: TensorSpec, sources: tuple[str, ...], produce: Any) -> OutTensor:
+def _out(name: str, spec: TensorSpec, sources: tuple[str, ...], produce: Any, split: Split = REPLICATED,
+         rank_sources: list[tuple[str, ...]] | None = None) -> OutTensor:
     return OutTensor(name, spec.dtype, spec.shape, sources, produce, is_shuffled=spec.shuffled,
-                     runtime_dtype=spec.runtime_dtype, meta=dict(spec.meta))
+                     runtime_dtype=spec.runtime_dtype, meta=dict(spec.meta), split=split, rank_sources=rank_sources)
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,19 +323,27 @@ def _expert_modules(ctx: _Ctx, src_prefix: str, fused_shared: bool) -> list[tupl
 
 
 def _read_expert(ctx: _Ctx, codec: LinearCodec, module: str, axis: int, rank: int) -> LinearData:
-    il = ctx.spec.I // ctx.tp
-    if ctx.tp == 1:
+    """The rank's cut of one expert: I split over the MoE-TP ranks (none under EP, spec
+    atom-parallel.md §1.1; flattened over every GPU under DP-attention, §2.2)."""
+    mtp = ctx.par.moe_tp
+    il = ctx.spec.I // mtp
+    if mtp == 1:
         return codec.read(ctx.src, module)
-    return codec.read(ctx.src, module, axis, rank * il, (rank + 1) * il)
+    piece = rank % mtp
+    return codec.read(ctx.src, module, axis, piece * il, (piece + 1) * il)
+
+
+def _rank_modules(mods: list[tuple[str, str, str]], slots: list[list[int]], rank: int) -> list[tuple[str, str, str]]:
+    return [mods[e] for e in slots[rank]]
 
 
 def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-             cache: dict[str, Any], key: str) -> Iterator[torch.Tensor]:
+             cache: dict[str, Any], key: str, slots: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
     """Yields one expert at a time ([1, 2N, K] for w13, [1, H, N] for w2) and stacks the
-    scales for the `_scale` output."""
+    scales for the `_scale` output. `slots[rank]`: the indices into `mods` the rank holds."""
     post = MOE[codec.name]
     scales = []
-    for gate, up, down in mods:
+    for gate, up, down in (mods if slots is None else _rank_modules(mods, slots, rank)):
         if which == "w13":
             w, s = post.w13(_read_expert(ctx, codec, gate, 0, rank), _read_expert(ctx, codec, up, 0, rank), ctx.target)
         else:
@@ -341,11 +358,12 @@ def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, wh
 
 
 def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-                   cache: dict[str, Any], key: str, stacked: bool) -> Iterator[torch.Tensor]:
+                   cache: dict[str, Any], key: str, stacked: bool,
+                   slots: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
     scales = cache.pop(key, None)
     if scales is None:  # the weight was not produced first: compute the scales again
         scales = []
-        for chunk in _experts(ctx, mods, codec, which, rank, cache, key):
+        for chunk in _experts(ctx, mods, codec, which, rank, cache, key, slots):
             del chunk
         scales = cache.pop(key)
     # fp8: [E, rows, cols] stacked; MXFP4: the 2-D [E*N, K/32] tensor, one expert's rows after another.
@@ -353,7 +371,7 @@ def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCod
 
 
 def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: bool) -> list[OutTensor]:
-    s, tp = ctx.spec, ctx.tp
+    s, tp = ctx.spec, ctx.par.moe_tp
     mods = _expert_modules(ctx, src_prefix, fused_shared)
     codecs = {ctx.fmt.codec_for(m).name: ctx.fmt.codec_for(m) for trio in mods for m in trio}
     if len(codecs) > 1:
@@ -367,22 +385,31 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
             ctx.problems.extend(codec.check(ctx.src, m, o, i))
             ctx.consumed.update(codec.source_names(m))
     if s.I % tp:
-        raise UnsupportedError(f"{src_prefix}mlp.experts: moe_intermediate_size {s.I} is not divisible by tp={tp}")
+        raise UnsupportedError(f"{src_prefix}mlp.experts: moe_intermediate_size {s.I} is not divisible by the "
+                               f"MoE tensor-parallel size {tp}")
     il = s.I // tp
     post = MOE[codec.name]
     post.check(f"{src_prefix}mlp.experts", il, s.H, tp)
     sources = tuple(x for trio in mods for m in trio for x in codec.source_names(m))
+    slots: list[list[int]] | None = None
+    rank_sources = None
+    if ctx.par.ep:  # whole experts in contiguous blocks, the shared one in the last slot (spec atom-parallel.md §1.2)
+        slots = [r.slots for r in ctx.par.rank_layouts(s.E, s.S, fused_shared)]
+        rank_sources = [tuple(x for e in sl for m in mods[e] for x in codec.source_names(m)) for sl in slots]
+    n_local = len(mods) if slots is None else len(slots[0])
     base = ctx.profile.tensor(f"{out_prefix}mlp.experts.")
-    specs = post.plan(len(mods), il, s.H, ctx.target)
+    specs = post.plan(n_local, il, s.H, ctx.target)
+    split = Split("experts", tp)
     outs = []
     for which in ("w13", "w2"):
         key = f"{base}{which}_scale"
         outs.append(_out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
-                         partial(_experts, ctx, mods, codec, which, key=key)))
+                         partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources))
         sspec = specs.get(f"{which}_weight_scale")
         if sspec is not None:
             outs.append(_out(f"{base}{which}_weight_scale", sspec, sources,
-                             partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3)))
+                             partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3,
+                                     slots=slots), split, rank_sources))
     return outs
 
 
@@ -450,7 +477,9 @@ def _plan_mla(ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
     else:
         specs = {"W_K": TensorSpec(ctx.fp8, (nr, s.L, s.P)), "W_K_scale": TensorSpec(torch.float32, ()),
                  "W_V": TensorSpec(ctx.fp8, (nr, s.V, s.L)), "W_V_scale": TensorSpec(torch.float32, ())}
-    return [_out(ctx.profile.mla(attn, a), spec, sources, partial(_mla, ctx, src_prefix, codecs, a))
+    # Per rank, from the rank's kv_b heads; one piece (identical on every rank) under DP-attention (spec
+    # atom-parallel.md §2.2: the per-tensor scale is then taken over all heads).
+    return [_out(ctx.profile.mla(attn, a), spec, sources, partial(_mla, ctx, src_prefix, codecs, a), ctx.split("heads"))
             for a, spec in specs.items()]
 
 
@@ -498,7 +527,16 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
         # HEAD fuses when shared and routed experts resolve to the same quant spec (spec §2.4).
         shared_codec = ctx.fmt.codec_for(f"{src_prefix}mlp.shared_experts.gate_proj")
         routed_codec = ctx.fmt.codec_for(f"{src_prefix}mlp.experts.0.gate_proj")
-        fused = shared_codec.name == routed_codec.name
+        # ATOM_FUSE_SHARED_EXPERT=0 turns fusion off under DP-attention with mori (spec atom-parallel.md §3.2).
+        fused = shared_codec.name == routed_codec.name and ctx.par.fusion_allowed
+        if fused and ctx.par.all2all and routed_codec.name != "mxfp4":
+            # LOCAL_REPLICA: wired for the MXFP4 MoE method only (spec atom-parallel.md §1.2, §3.3).
+            raise UnsupportedError(
+                f"{src_prefix}mlp.experts: --dp-attention --ep with mori importable (--mori) and the shared expert "
+                f"fused makes ATOM build its LOCAL_REPLICA layout, which raises NotImplementedError for a "
+                f"{routed_codec.name} MoE (moe.py:2908-2914, spec atom-parallel.md §3.3). Add --shared-experts "
+                f"separate (serve with ATOM_FUSE_SHARED_EXPERT=0), or drop --mori if mori is not installed there"
+            )
     outs += _plan_experts(ctx, src_prefix, out_prefix, fused)
     layer_key = out_prefix.rstrip(".")
     if fused:
@@ -561,9 +599,14 @@ class DeepseekLoader(ArchLoader):
     )
 
     def plan(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, *, target: str, tp: int,
-             profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8") -> ConversionPlan:
+             profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8", parallel: Parallel | None = None) -> ConversionPlan:
         if tp < 1:
             raise BadInputError(f"tp must be >= 1, got {tp}")
+        par = parallel or Parallel(tp=tp)
+        if par.tp != tp:
+            raise BadInputError(f"internal: tp={tp} but the parallel layout says tp={par.tp}")
+        par.validate()
+        par.check_experts(spec.E, str(src.path / "config.json"))
         if mla_bmm not in ("fp8", "mxfp4"):
             raise BadInputError(f"--mla-bmm must be fp8 or mxfp4, got {mla_bmm!r}")
         if mla_bmm == "mxfp4" and target != "gfx950":
@@ -578,7 +621,7 @@ class DeepseekLoader(ArchLoader):
             )
         if spec.n_mtp > 1:
             raise UnsupportedError(f"num_nextn_predict_layers={spec.n_mtp}: only one MTP layer is supported (DeepSeek-V3/R1 have 1)")
-        ctx = _Ctx(src, spec, fmt, target, tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm)
+        ctx = _Ctx(src, spec, fmt, target, par.attn_tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm, par=par)
         main = ModelPlan(groups=[])
         main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", profile.tensor("model.embed_tokens.weight"),
                                                  (spec.vocab, spec.H), vocab=True)))
@@ -621,4 +664,5 @@ class DeepseekLoader(ArchLoader):
         return ConversionPlan(spec=spec, source_format=fmt.name, target=target, tp=tp, profile=profile, main=main,
                               mtp=mtp_plan, mtp_status=mtp_status, dropped=dropped,
                               layout_flags=dict(LAYOUT_FLAGS, tp_size=tp,
-                                                ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4")))
+                                                ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4")),
+                              parallel=par)
