@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 from tqdm import tqdm
 
 from . import loaders, quant
-from .errors import BadInputError, DestinationExistsError
+from .errors import BadInputError, DestinationExistsError, UnsupportedError
 from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
@@ -101,9 +101,16 @@ def make_plan(src: SourceCheckpoint, *, target: str = "gfx950", tp: int = 1, mtp
     spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
     fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
     loader = loaders.get_loader(spec)
+    prof = get_profile(profile)
+    if dp_attention and not prof.dp_attention:
+        raise UnsupportedError(
+            f"--profile {prof.name} with --dp-attention: ATOM inside vLLM forces enable_dp_attention off "
+            f"(atom-layout-plugin.md §4); convert with --profile atom, or without --dp-attention"
+        )
     par = Parallel(tp=tp, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
-    return loader.plan(src, spec, fmt, target=target, tp=tp, profile=get_profile(profile), mtp=mtp, mla_bmm=mla_bmm,
-                       parallel=par)
+    plan = loader.plan(src, spec, fmt, target=target, tp=tp, profile=prof, mtp=mtp, mla_bmm=mla_bmm, parallel=par)
+    prof.apply(plan)  # the one renaming step: loaders plan with ATOM-native names
+    return plan
 
 
 def _set_layout(plan: ConversionPlan, mplan: ModelPlan, shard_size: int) -> SetLayout:

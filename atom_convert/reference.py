@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import ModelSpec
+from .profile import get_profile
 from .decode import decode_mla, decode_weight
 from .reader import ConvertedCheckpoint
 
@@ -93,13 +94,15 @@ class ConvertedModel:
         self.par = self.ranks[0].typed.parallel
         self.ranks += [ConvertedCheckpoint(self.path, r) for r in range(1, self.par.world)]
         self.attn_ranks = range(self.par.attn_tp)  # rank r < attn_tp holds attention piece r
+        # The forward names tensors natively; the profile maps them to the stored names.
+        self.name = get_profile(self.ranks[0].typed.profile).tensor
         self.config = json.loads((self.path / "config.json").read_text())
         self.spec = ModelSpec.from_config(self.config)
         self.device = device
         self.rope = Rope(self.config, self.spec)
 
     def w(self, name: str, rank: int = 0) -> torch.Tensor:
-        return decode_weight(self.ranks[rank], name, self.device)
+        return decode_weight(self.ranks[rank], self.name(name), self.device)
 
     def _vocab(self, name: str) -> torch.Tensor:
         return torch.cat([self.w(name, r) for r in self.attn_ranks])
@@ -134,7 +137,7 @@ class ConvertedModel:
         # Absorbed (decode) path: q_nope through W_K into the latent space, attention over the latent
         # cache, back out through W_V. W[b] is [N, K], the bmm computes X[b] @ W[b]^T (spec §4.1).
         own = self.ranks[r].manifest["tensors"]
-        mla = next(n for n in own if n.startswith(a) and n.endswith(".W_K")).removesuffix(".W_K")
+        mla = next(n for n in own if n.startswith(self.name(a)) and n.endswith(".W_K")).removesuffix(".W_K")
         wk, wv = decode_mla(self.ranks[r], mla, self.device)
         q_lat = torch.einsum("tnp,nlp->tnl", q_nope, wk)
         scores = (torch.einsum("tnl,sl->nts", q_lat, kv_c) + torch.einsum("tnr,sr->nts", q_pe, k_pe)) * self.rope.scaling
@@ -173,7 +176,7 @@ class ConvertedModel:
             scores = logits.softmax(-1)
         choice = scores
         bias_name = f"{p}mlp.gate.e_score_correction_bias"
-        if bias_name in self.ranks[0]:
+        if self.name(bias_name) in self.ranks[0]:
             choice = scores + self.w(bias_name)
         if s.topk_method in ("noaux_tc", "group_limited_greedy") and s.n_group > 1:
             grouped = choice.view(-1, s.n_group, s.E // s.n_group)
@@ -189,7 +192,7 @@ class ConvertedModel:
     def moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         ids, wts = self.route(p, x)
-        layout = self.ranks[0].manifest["model"]["moe_layers"][p.rstrip(".")]
+        layout = self.ranks[0].manifest["model"]["moe_layers"][self.name(p.rstrip("."))]
         out = torch.zeros_like(x)
         base = f"{p}mlp.experts."
         ep = self.par.ep

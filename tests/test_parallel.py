@@ -370,3 +370,45 @@ def _entry_bytes(e: dict[str, Any]) -> int:
     for d in e["shape"]:
         n *= d
     return n
+
+
+# ------------------------------------------------------------------------------------------------
+# --profile vllm-plugin (atom-layout-plugin.md)
+# ------------------------------------------------------------------------------------------------
+
+
+def plugin_name(native: str) -> str:
+    """atom-layout-plugin.md §1.1-§1.2 at HEAD: one `model.` prefix, W_K/W_V directly on `mla_attn`."""
+    return "model." + native.replace(".self_attn.mla_attn.impl.", ".self_attn.mla_attn.")
+
+
+def test_vllm_plugin_profile(par_converted: Callable[..., tuple[Path, Path]], tmp_path: Path) -> None:
+    """The same bytes, files, splits and parallel block as the native conversion; every name,
+    alias (both sides) and per-layer shared-expert record renamed; verify passes on it."""
+    src, native = par_converted(V3, "fp8", "tp2-ep")
+    dst = tmp_path / "plugin"
+    atom_convert.convert(src, dst, "gfx950", tp=2, ep=True, profile="vllm-plugin")
+    for a_root, b_root in ((native, dst), (native / "mtp", dst / "mtp")):
+        a = json.loads((a_root / MANIFEST_NAME).read_text())
+        b = json.loads((b_root / MANIFEST_NAME).read_text())
+        assert b["layout"]["profile"] == "vllm-plugin" and a["layout"]["profile"] == "atom"
+        assert list(b["tensors"]) == [plugin_name(n) for n in a["tensors"]]
+        for n, e in a["tensors"].items():
+            assert b["tensors"][plugin_name(n)] == e, n
+        assert b["aliases"] == {plugin_name(k): plugin_name(v) for k, v in a["aliases"].items()}
+        assert b["model"]["moe_layers"] == {plugin_name(k): v for k, v in a["model"]["moe_layers"].items()}
+        assert b["parallel"] == a["parallel"]
+    assert "model.model.layers.1.self_attn.mla_attn.W_K" in json.loads((dst / MANIFEST_NAME).read_text())["tensors"]
+    assert json.loads((dst / MANIFEST_NAME).read_text())["aliases"] == {
+        f"model.model.layers.{i}.mlp.experts.e_score_correction_bias": f"model.model.layers.{i}.mlp.gate.e_score_correction_bias"
+        for i in (1, 2)}
+    for rank in range(2):
+        with atom_convert.open_converted(native, rank) as x, atom_convert.open_converted(dst, rank) as y:
+            for n in x.keys():
+                assert torch.equal(u8(x.get(n)), u8(y.get(plugin_name(n)))), n
+            for n in x.aliases:
+                assert torch.equal(u8(x.get(n)), u8(y.get(plugin_name(n))))
+    r = verify(dst, src, tokens=8)
+    assert r.ok, r.failures
+    with pytest.raises(UnsupportedError, match="forces enable_dp_attention off"):
+        atom_convert.convert(src, tmp_path / "no", tp=2, dp_attention=True, profile="vllm-plugin")

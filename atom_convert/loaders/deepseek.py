@@ -27,7 +27,7 @@ from ..model import ModelSpec
 from ..parallel import REPLICATED, Parallel, Split
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
 from ..postload import FP4X2, LINEAR, MOE, TensorSpec
-from ..profile import NamingProfile
+from ..profile import NATIVE_MLA_OWNER, NamingProfile
 from ..quant.base import LinearCodec, LinearData, SourceFormat
 from ..quant.bf16 import FLOAT_DTYPES, Bf16Linear
 from ..quant.formats import FP8_DTYPE_BY_TARGET
@@ -292,12 +292,12 @@ def _plan_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_prefix: str,
     rows = [_local_rows(rule.par, o, tp) for o, _ in dims]
     cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
     sources = tuple(n for p, c in zip(rule.parts, codecs) for n in c.source_names(src_prefix + p))
-    wname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight")
+    wname = f"{out_prefix}{rule.out}.weight"
     wspec, sspec = LINEAR[codecs[0].name].plan(rows, cols, ctx.target)
     split = REPLICATED if rule.par is Par.REPLICATED else ctx.split("dim", 0 if rule.par is Par.COLUMN else 1)
     outs = [_out(wname, wspec, sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs), split)]
     if sspec is not None:
-        sname = ctx.profile.tensor(f"{out_prefix}{rule.out}.weight_scale")
+        sname = f"{out_prefix}{rule.out}.weight_scale"
         outs.append(_out(sname, sspec, sources, partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale"),
                          split))
     return outs
@@ -397,7 +397,7 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
         slots = [r.slots for r in ctx.par.rank_layouts(s.E, s.S, fused_shared)]
         rank_sources = [tuple(x for e in sl for m in mods[e] for x in codec.source_names(m)) for sl in slots]
     n_local = len(mods) if slots is None else len(slots[0])
-    base = ctx.profile.tensor(f"{out_prefix}mlp.experts.")
+    base = f"{out_prefix}mlp.experts."
     specs = post.plan(n_local, il, s.H, ctx.target)
     split = Split("experts", tp)
     outs = []
@@ -479,7 +479,7 @@ def _plan_mla(ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
                  "W_V": TensorSpec(ctx.fp8, (nr, s.V, s.L)), "W_V_scale": TensorSpec(torch.float32, ())}
     # Per rank, from the rank's kv_b heads; one piece (identical on every rank) under DP-attention (spec
     # atom-parallel.md §2.2: the per-tensor scale is then taken over all heads).
-    return [_out(ctx.profile.mla(attn, a), spec, sources, partial(_mla, ctx, src_prefix, codecs, a), ctx.split("heads"))
+    return [_out(f"{attn}.{NATIVE_MLA_OWNER}.{a}", spec, sources, partial(_mla, ctx, src_prefix, codecs, a), ctx.split("heads"))
             for a, spec in specs.items()]
 
 
@@ -496,7 +496,7 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
     for name, n in NORMS:
         length = n(s)
         if length is not None:
-            outs += _plain(ctx, src_prefix + name, ctx.profile.tensor(out_prefix + name), (length,))
+            outs += _plain(ctx, src_prefix + name, out_prefix + name, (length,))
     if s.Q is not None and ctx.fmt.codec_for(src_prefix + "self_attn.q_a_proj").name == "mxfp4":
         # HEAD keeps a static-MXFP4 fused_qkv_a_proj's quant config for q_b_proj and kv_b_proj too
         # (spec §2.2); a bf16 one of them would be loaded into an MXFP4 parameter.
@@ -516,12 +516,12 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
             outs += _plan_linear(ctx, rule, src_prefix, out_prefix)
         return outs
     gate = f"{src_prefix}mlp.gate.weight"
-    outs += _plain(ctx, gate, ctx.profile.tensor(f"{out_prefix}mlp.gate.weight"), (s.E, s.H))
+    outs += _plain(ctx, gate, f"{out_prefix}mlp.gate.weight", (s.E, s.H))
     if s.has_correction_bias:
-        bias = ctx.profile.tensor(f"{out_prefix}mlp.gate.e_score_correction_bias")
+        bias = f"{out_prefix}mlp.gate.e_score_correction_bias"
         outs += _plain(ctx, f"{src_prefix}mlp.gate.e_score_correction_bias", bias, (s.E,))
         # One Parameter under two names at run time (spec §2.4, §10).
-        plan.aliases[ctx.profile.tensor(f"{out_prefix}mlp.experts.e_score_correction_bias")] = bias
+        plan.aliases[f"{out_prefix}mlp.experts.e_score_correction_bias"] = bias
     fused = False
     if s.S == 1:
         # HEAD fuses when shared and routed experts resolve to the same quant spec (spec §2.4).
@@ -556,10 +556,10 @@ def _plan_mtp(ctx: _Ctx, j: int) -> ModelPlan:
     src = f"model.layers.{j}."
     plan = ModelPlan(groups=[])
     outs: list[OutTensor] = []
-    outs += _plain(ctx, f"{src}embed_tokens.weight", ctx.profile.tensor("model.embed_tokens.weight"),
+    outs += _plain(ctx, f"{src}embed_tokens.weight", "model.embed_tokens.weight",
                    (s.vocab, s.H), vocab=True, optional=True)
     for name in MTP_VECTORS:
-        outs += _plain(ctx, src + name, ctx.profile.tensor(src + name), (s.H,))
+        outs += _plain(ctx, src + name, src + name, (s.H,))
     # eh_proj: a replicated linear (HEAD). It is bf16 unless the index has a key ending in
     # `eh_proj.weight_scale` (spec §2.6): a DeepSeek fp8 one (`weight_scale_inv`) never does, so
     # ATOM holds it in bf16 and an fp8 source is dequantised; a Quark MXFP4 one stays MXFP4.
@@ -568,13 +568,13 @@ def _plan_mtp(ctx: _Ctx, j: int) -> ModelPlan:
     if codec.name == "fp8-block" and f"{eh}.weight_scale_inv" in ctx.src:
         ctx.problems.extend(codec.check(ctx.src, eh, s.H, 2 * s.H))
         ctx.consumed.update(codec.source_names(eh))
-        outs.append(OutTensor(ctx.profile.tensor(f"{eh}.weight"), BF16, (s.H, 2 * s.H), tuple(codec.source_names(eh)),
+        outs.append(OutTensor(f"{eh}.weight", BF16, (s.H, 2 * s.H), tuple(codec.source_names(eh)),
                               partial(_dequant_whole, ctx, codec, eh)))
     else:
         if codec.name == "fp8-block":  # stored in bf16 although the config would quantize it
             codec = Bf16Linear()
         outs += _plan_linear(ctx, EH_PROJ, src, src, [codec])
-    outs += _plain(ctx, f"{src}shared_head.head.weight", ctx.profile.tensor(f"{src}shared_head.head.weight"),
+    outs += _plain(ctx, f"{src}shared_head.head.weight", f"{src}shared_head.head.weight",
                    (s.vocab, s.H), vocab=True, optional=True)
     plan.groups.append(Group(f"mtp.{j}.extras", outs))
     plan.groups.append(Group(f"mtp.{j}.block", _plan_layer(ctx, j, src, f"{src}mtp_block.", plan)))
@@ -623,13 +623,13 @@ class DeepseekLoader(ArchLoader):
             raise UnsupportedError(f"num_nextn_predict_layers={spec.n_mtp}: only one MTP layer is supported (DeepSeek-V3/R1 have 1)")
         ctx = _Ctx(src, spec, fmt, target, par.attn_tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm, par=par)
         main = ModelPlan(groups=[])
-        main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", profile.tensor("model.embed_tokens.weight"),
+        main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", ("model.embed_tokens.weight"),
                                                  (spec.vocab, spec.H), vocab=True)))
         for i in range(spec.n_layers):
             p = f"model.layers.{i}."
             main.groups.append(Group(f"layer.{i}", _plan_layer(ctx, i, p, p, main)))
-        main.groups.append(Group("final", _plain(ctx, "model.norm.weight", profile.tensor("model.norm.weight"), (spec.H,))
-                                 + _plain(ctx, "lm_head.weight", profile.tensor("lm_head.weight"),
+        main.groups.append(Group("final", _plain(ctx, "model.norm.weight", ("model.norm.weight"), (spec.H,))
+                                 + _plain(ctx, "lm_head.weight", ("lm_head.weight"),
                                           (spec.vocab, spec.H), vocab=True)))
         mtp_layers = range(spec.n_layers, spec.n_layers + spec.n_mtp)
         mtp_plan = None
