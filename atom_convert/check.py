@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from .errors import ConvertedCheckError
 from .manifest import Manifest, read_manifest, sha256_file
 from .parallel import Split
 from .quant.formats import ST_DTYPE, dtype_from_name

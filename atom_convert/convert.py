@@ -256,13 +256,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     return manifest
 
 
-def plan_summary(src: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
+def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "gfx950", *, tp: int = 1,
                  shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
                  profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
                  mori: bool = False) -> dict[str, Any]:
     """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
-    tensor appears once, as rank "common"), and the parallel block; reads no tensor data."""
-    source = SourceCheckpoint(src)
+    tensor appears once, as rank "common"), and the parallel block; reads no tensor data.
+    `src` may be an open SourceCheckpoint (its header index is then reused)."""
+    source = src if isinstance(src, SourceCheckpoint) else SourceCheckpoint(src)
     plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
                      dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))

@@ -58,8 +58,7 @@ CASES = [
     (KIMI, "bf16", "tp2-ep"), (KIMI, "bf16", "dpa4"),
     (V2L, "bf16", "tp4-ep"), (V2L, "bf16", "dpa4"), (V2L, "bf16", "dpa2-ep"),
 ]
-VERIFIED = {(V3, "bf16", "tp4-ep"), (KIMI, "fp8", "dpa2"), (V2L, "bf16", "dpa4"), (V3, "fp8", "dpa2-ep-separate"),
-            (KIMI, "bf16", "tp2-ep")}
+VERIFIED = {(V3, "bf16", "tp4-ep"), (KIMI, "fp8", "dpa2"), (V2L, "bf16", "dpa4"), (V3, "fp8", "dpa2-ep-separate")}
 
 
 def cid(c: tuple[Any, ...]) -> str:
