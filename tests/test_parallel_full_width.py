@@ -1,9 +1,10 @@
 """`--dry-run` at full width reproduces the worked examples of atom-parallel.md §1.4 (A: DeepSeek-V3
 tp 8 EP, B: Kimi-K2 tp 4 EP) and §2.3 (DP-attention), shape for shape.
 
-The sources are header-only checkpoints of configs/deepseek-v3.json and configs/kimi-k2.json: every
-tensor of the real inventory declared in a safetensors header, the data a sparse hole (a dry run reads
-headers only), so they cost no disk and no time. The expected shapes are copied from the spec tables.
+The sources are header-only checkpoints of configs/deepseek-v3.json and configs/kimi-k2.json at full
+width (the dense layers and two MoE layers; the MTP layer of V3): every tensor of the real inventory
+declared in a safetensors header, the data a sparse hole (a dry run reads headers only), so they cost
+no disk and little time. The expected shapes are copied from the spec tables.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ SIZE = {"fp8": 1, "f32": 4, "bf16": 2, "u8": 1}
 def header_only(cfg_name: str, out: Path, fmt: str) -> Path:
     """A checkpoint whose one shard declares every tensor and holds no data (a sparse file)."""
     cfg = json.loads((CONFIGS / cfg_name).read_text())
+    # Full width, fewer layers: the worked examples are per-layer shapes, and the dense layers plus two
+    # MoE layers (and the MTP layer) show every kind; 61 layers would only cost time.
+    cfg["num_hidden_layers"] = cfg["first_k_dense_replace"] + 2
     entries: list[tuple[str, str, tuple[int, ...]]] = []
     excluded = []
     for name, shape, kind in source_inventory(cfg):
