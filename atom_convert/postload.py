@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedError
-from .quant.fnuz import to_target_fp8
+from .quant.fnuz import fnuz_normalize_, target_scale
 from .quant.formats import FP8_BLOCK, FP8_DTYPE_BY_TARGET
 from .quant.fp8_block import cdiv
 from .quant.mxfp4 import E8M0_SHUFFLE_COLS, E8M0_SHUFFLE_ROWS, MXFP4_BLOCK, e8m0_shuffle
-from .quant.shuffle import shuffle16, shuffle_requirements_met
+from .quant.shuffle import shuffle16, shuffle16_into, shuffle_requirements_met
 
 BF16 = torch.bfloat16
 FP4X2 = "float4_e2m1fn_x2"  # what the runtime views the uint8 bytes as (spec §10)
@@ -94,10 +94,10 @@ class Fp8BlockPostLoad(LinearPostLoad):
 
     def apply(self, w: torch.Tensor, s: torch.Tensor | None, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert s is not None
-        w, s = to_target_fp8(w, s, target)
         # Every per_1x128 linear is shuffled: the PRESHUFFLE flag defaults to 1, and
-        # fused_qkv_a_proj is shuffled regardless (spec §3.2 step 2).
-        return shuffle16(w), s
+        # fused_qkv_a_proj is shuffled regardless (spec §3.2 step 2). fnuz (per byte) is applied
+        # in place on the shuffled copy: the same bytes as fnuz then shuffle, one copy fewer.
+        return _fp8_shuffled(w, target), target_scale(s, target)
 
 
 class Mxfp4PostLoad(LinearPostLoad):
@@ -160,7 +160,7 @@ class MoEPostLoad:
                 "w2_weight": TensorSpec(BF16, (n, H, il), shuffled=True)}
 
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return shuffle16(torch.cat([gate.weight, up.weight], 0).to(BF16)), None
+        return _stack_shuffled([gate.weight.to(BF16), up.weight.to(BF16)]), None
 
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return shuffle16(down.weight.to(BF16)), None
@@ -189,12 +189,17 @@ class Fp8MoEPostLoad(MoEPostLoad):
         }
 
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w, s = to_target_fp8(torch.cat([gate.weight, up.weight], 0), torch.cat([gate.scale, up.scale], 0), target)
-        return shuffle16(w), s.clone()  # a copy: a view would keep the expert's file pages mapped
+        # [gate; up] shuffled straight into one tensor, then fnuz in place on gfx942: the same bytes
+        # as fnuz -> cat -> shuffle16 with one pass and one allocation fewer (each part is a whole
+        # number of 16-row bands; fnuz is per byte).
+        w = _stack_shuffled([gate.weight, up.weight])
+        if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
+            w = fnuz_normalize_(w)
+        # cat copies: a view would keep the expert's file pages mapped
+        return w, target_scale(torch.cat([gate.scale, up.scale], 0), target)
 
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w, s = to_target_fp8(down.weight, down.scale, target)
-        return shuffle16(w), s.clone()
+        return _fp8_shuffled(down.weight, target), target_scale(down.scale, target).clone()
 
 
 class Mxfp4MoEPostLoad(MoEPostLoad):
@@ -235,13 +240,17 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         il, kb = gate.weight.shape
         ip = self.padded(il)
-        w = torch.zeros(2 * ip, kb, dtype=torch.uint8)
+        # The zero pad rows [il, ip) of each half are whole 16-row bands (il is a multiple of 32),
+        # and a zero band shuffles to zeros: shuffle each half straight into place.
+        w = torch.empty(2 * ip, kb, dtype=torch.uint8)
+        for part, at in ((gate.weight, 0), (up.weight, ip)):
+            shuffle16_into(w[at:at + il], part)
+            w[at + il:at + ip].zero_()
         s = torch.zeros(2 * ip, gate.scale.shape[1], dtype=torch.uint8)
-        w[:il], w[ip:ip + il] = gate.weight, up.weight
         s[:il], s[ip:ip + il] = gate.scale, up.scale
         # e8m0shuf of the flattened [E*N, K/32] scale is, for N a multiple of 32, the
         # concatenation of each expert's own e8m0shuf: rows are permuted within 32-row blocks.
-        return shuffle16(w), e8m0_shuffle(s)
+        return w, e8m0_shuffle(s)
 
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         H, ib = down.weight.shape
@@ -250,6 +259,25 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
         s = torch.zeros(H, ip // MXFP4_BLOCK, dtype=torch.uint8)
         w[:, :ib], s[:, :down.scale.shape[1]] = down.weight, down.scale
         return shuffle16(w), e8m0_shuffle(s)
+
+
+def _fp8_shuffled(w: torch.Tensor, target: str) -> torch.Tensor:
+    """shuffle16(fnuz(w)) on gfx942, shuffle16(w) on gfx950, as one fresh tensor."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {w.dtype}")
+    out = shuffle16(w)
+    return fnuz_normalize_(out) if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz else out
+
+
+def _stack_shuffled(parts: list[torch.Tensor]) -> torch.Tensor:
+    """shuffle16(cat(parts, 0)) without the concatenation: each part shuffled into its rows."""
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype)
+    at = 0
+    for p in parts:
+        shuffle16_into(out[at:at + p.shape[0]], p)
+        at += p.shape[0]
+    return out
 
 
 MOE: dict[str, MoEPostLoad] = {

@@ -3,7 +3,8 @@
 Only headers are read up front (a few KB per file); tensor data is read on
 demand through `safe_open` (mmap), a slice at a time. `release()` drops the
 handles, which unmaps the files, so the resident set stays bounded by what the
-current step holds.
+current step holds. Handles are per thread: parallel workers each open and
+release their own, so one worker's `release()` never unmaps another's pages.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +89,7 @@ class SourceCheckpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.files: list[str] = []
         self.index_file: str | None = None
-        self._handles: dict[str, Any] = {}
+        self._local = threading.local()  # .handles: this thread's open files
         self._scan()
 
     # -- indexing --------------------------------------------------------------------
@@ -158,11 +160,18 @@ class SourceCheckpoint:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
+    def _handles(self) -> dict[str, Any]:
+        handles = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = {}
+        return handles
+
     def _handle(self, file: str) -> Any:
-        h = self._handles.get(file)
+        handles = self._handles()
+        h = handles.get(file)
         if h is None:
             h = safe_open(str(self.path / file), framework="pt", device="cpu")
-            self._handles[file] = h
+            handles[file] = h
         return h
 
     def get(self, name: str) -> torch.Tensor:
@@ -175,16 +184,18 @@ class SourceCheckpoint:
             return self.get(name)
         return self._handle(info.file).get_slice(name)[start:stop]
 
-    def get_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Columns [start, stop) of dim 1 of a 2-D tensor."""
+    def get_cols(self, name: str, start: int, stop: int, contiguous: bool = True) -> torch.Tensor:
+        """Columns [start, stop) of dim 1 of a 2-D tensor; contiguous=False: a strided view of the
+        mapping (for a consumer whose own copy gathers the columns, such as the shuffle)."""
         info = self.tensors[name]
         if start == 0 and stop == info.shape[1]:
             return self.get(name)
-        return self._handle(info.file).get_slice(name)[:, start:stop].contiguous()
+        cols = self._handle(info.file).get_slice(name)[:, start:stop]
+        return cols.contiguous() if contiguous else cols
 
     def release(self) -> None:
-        """Close every open file (unmaps them; pages read so far leave the resident set)."""
-        self._handles.clear()
+        """Close every file this thread opened (unmaps them; pages read so far leave the resident set)."""
+        self._handles().clear()
 
     def file_sizes(self) -> dict[str, int]:
         return {f: (self.path / f).stat().st_size for f in self.files}

@@ -23,6 +23,16 @@ def fnuz_normalize(w: torch.Tensor) -> torch.Tensor:
     return b.masked_fill(b == FNUZ_NAN_BYTE, 0).view(torch.float8_e4m3fnuz)
 
 
+def fnuz_normalize_(w: torch.Tensor) -> torch.Tensor:
+    """`fnuz_normalize` in place on a fresh e4m3fn tensor the caller owns (a shuffled output:
+    the normalisation is per byte, so it commutes with the shuffle); returns the e4m3fnuz view."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fnuz_normalize_ expects float8_e4m3fn, got {w.dtype}")
+    b = w.view(torch.int8)
+    b.masked_fill_(b == FNUZ_NAN_BYTE, 0)
+    return b.view(torch.float8_e4m3fnuz)
+
+
 def fnuz_scale(scale: torch.Tensor) -> torch.Tensor:
     """Doubled fp32 scale that goes with `fnuz_normalize` (spec §3.0.2 step 3)."""
     return scale.float() * FNUZ_SCALE_FACTOR

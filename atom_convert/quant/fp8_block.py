@@ -99,7 +99,8 @@ class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
         b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
         if axis == 0:
             return LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float())
-        return LinearData(src.get_cols(w, start, stop), src.get_cols(s, b0, b1).float())
+        # The weight as a strided view: every consumer (fnuz, shuffle16, dequant) copies it anyway.
+        return LinearData(src.get_cols(w, start, stop, contiguous=False), src.get_cols(s, b0, b1).float())
 
     def dequant(self, data: LinearData) -> torch.Tensor:
         assert data.scale is not None
