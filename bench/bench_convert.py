@@ -2,31 +2,39 @@
 """Conversion benchmark: `atom-convert` against a plain copy of the same files.
 
 One run of this script:
-1. generates (or, with --reuse, reuses) a synthetic fp8 checkpoint at the real
-   DeepSeek-V3 width (configs/deepseek-v3.json with num_hidden_layers=2:
+1. generates (or, with --reuse, reuses) a synthetic checkpoint at full width:
+   fp8 at DeepSeek-V3 width (configs/deepseek-v3.json with num_hidden_layers=2:
    layer 0 dense, layer 1 MoE with 256 routed + 1 shared expert of 2048x7168,
-   no MTP layer, the real 129280-token vocabulary);
-2. times, alternating and repeated, (a) a plain copy of the source files into a
-   new folder (read + write + fsync per file) and (b) a conversion
-   (`atom_convert.convert`, target gfx950, tp=1, default shard size) into a
-   new folder. Each run is a fresh subprocess, so its peak RSS (its VmHWM,
-   read as it exits) is its own; the page cache is dropped before each run
-   when the kernel lets us;
-3. prints a summary and writes bench/results/<stamp>-<mode>.json: machine,
-   atom_convert's version and a sha256 of its sources (checked again after
-   every run), source bytes, every run's wall seconds, peak RSS (with its
-   anonymous/file-backed split), CPU seconds and the CPU other processes used
-   meanwhile (the machine may be shared), the median ratio and the verdicts.
-   Outputs are deleted after each run; the source at the end (--keep-source
-   keeps it for --reuse).
+   no MTP layer, the real 129280-token vocabulary), or with --format mxfp4 a
+   Quark MXFP4 export at Kimi-K2 width (384 experts);
+2. for every configuration (each --target x each --workers value, at --tp),
+   times --pairs pairs of (a) a plain copy of the source files into a new folder
+   (read + write + fsync per file) and (b) a conversion (`atom_convert.convert`
+   with that target, tp and workers, default shard size) into a new folder,
+   alternating which runs first. Each run is a fresh subprocess. With --cache
+   cold (the default) the page cache is dropped before every run (echo 3 >
+   /proc/sys/vm/drop_caches; where that is refused, posix_fadvise DONTNEED on
+   every source file, and the output says so); with --cache warm the source is
+   read once before every run instead;
+3. reports per configuration the median of the per-pair ratios convert/copy,
+   source GB/s of both, bytes written, and the peak RSS: the child's VmHWM (its
+   threads included) and the sampled peak of its whole process tree; --warm-runs N
+   adds N conversions per configuration with a warm page cache (source GB/s);
+4. writes bench/results/<stamp>-<mode>.json: machine, atom_convert's version and
+   a sha256 of its sources (checked again after every run), every run's wall
+   seconds, RSS, CPU seconds and the CPU other processes used meanwhile (the
+   machine may be shared), and the summaries. Outputs are deleted after each
+   run; the source at the end (--keep-source keeps it for --reuse).
 
-The aims the numbers are judged against (BENCHMARKS.md): conversion within
-1.5x of the copy time, conversion peak RSS under 3 GB.
+The aims (BENCHMARKS.md, issue 9): with all cores, conversion within 1.2x of the
+copy on a 16-core machine and 1.5x on 2 cores; >= 3 GB/s of source with a warm
+cache; peak RSS <= workers x one item's working set + 1 GB.
 
 Examples:
-    python bench/bench_convert.py                  # full size, 2 repeats (~16 GB source)
+    python bench/bench_convert.py --tp 8 --workers 1,all --target gfx950,gfx942   # the issue-9 table
     python bench/bench_convert.py --smoke          # under a minute, checks the script
-    python bench/bench_convert.py --reuse --keep-source --repeat 3
+    python bench/bench_convert.py --format mxfp4 --tp 4 --workers all
+    python bench/bench_convert.py --reuse --keep-source --pairs 3
 
 Only the standard library is imported at the top level, so that the copy child
 process pays no torch import; atom_convert is imported where it is needed.
@@ -50,9 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 DEFAULT_WORKDIR = Path("/tmp/atom-convert-bench")
-DISK_FACTOR = 3.2  # free space needed: source + one output + headroom
-AIM_RATIO = 1.5
-AIM_RSS_BYTES = 3 * 1000**3
+DISK_FACTOR = 2.3  # free space needed: source + one output (each run's output is deleted) + headroom
 SOURCE_SHARD_BYTES = 4 * 1000**3  # DeepSeek-V3's own shards are ~4.3 GB
 MARKER = ".bench-source.json"  # written after a complete generation; --reuse checks it
 
@@ -101,13 +107,33 @@ def child_copy(src: Path, dst: Path) -> dict[str, Any]:
     return {"files": n}
 
 
-def child_convert(src: Path, dst: Path) -> dict[str, Any]:
+def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import atom_convert
 
-    manifest = atom_convert.convert(src, dst, target="gfx950", tp=1, progress=False)
+    import inspect
+
+    from atom_convert.convert import make_plan
+    from atom_convert.source import SourceCheckpoint
+
+    # The bench also measures package states from before --workers (one worker, no budget).
+    parallel_api = "workers" in inspect.signature(atom_convert.convert).parameters
+    if not parallel_api and opts["workers"] != 1:
+        sys.exit("bench_convert: this atom_convert has no workers= option; use --workers 1")
+    kw = {"workers": opts["workers"]} if parallel_api else {}
+    manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
-    return {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
+    info = {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
             "manifest_conversion_seconds": manifest.get("conversion_seconds")}
+    if parallel_api:
+        # The memory aim of issue 9: peak RSS <= workers x one item's working set + 1 GB, with the
+        # working set as parallel.py estimates it (the largest (layer, rank) item of the plan).
+        from atom_convert import parallel
+
+        plan = make_plan(SourceCheckpoint(src), target=opts["target"], tp=opts["tp"])
+        groups = plan.main.groups + (plan.mtp.groups if plan.mtp else [])
+        item = max(i.cost for i in parallel.items(groups, plan.tp))
+        info.update(largest_item_working_set_bytes=item, rss_bound_bytes=opts["workers"] * item + 1000**3)
+    return info
 
 
 def child_generate(cfg_json: Path, dst: Path, seed: int) -> dict[str, Any]:
@@ -120,12 +146,12 @@ def child_generate(cfg_json: Path, dst: Path, seed: int) -> dict[str, Any]:
     return {}
 
 
-def run_child(kind: str, src: Path, dst: Path, report: Path, seed: int = 0) -> None:
+def run_child(kind: str, src: Path, dst: Path, report: Path, seed: int = 0, opts: dict[str, Any] | None = None) -> None:
     t0 = time.perf_counter()
     if kind == "generate":
         info = child_generate(src, dst, seed)
     else:
-        info = child_copy(src, dst) if kind == "copy" else child_convert(src, dst)
+        info = child_copy(src, dst) if kind == "copy" else child_convert(src, dst, opts or {})
     info["op_seconds"] = time.perf_counter() - t0
     info["status_at_exit"] = _proc_status()
     report.write_text(json.dumps(info))
@@ -222,16 +248,48 @@ def package_fingerprint() -> dict[str, Any]:
             "newest_mtime": _dt.datetime.fromtimestamp(newest).astimezone().isoformat(timespec="seconds")}
 
 
-def drop_caches() -> tuple[bool, str]:
-    """os.sync() then 3 > /proc/sys/vm/drop_caches. Returns (dropped, note)."""
+def drop_caches(fallback: list[Path] | None = None) -> tuple[bool, str]:
+    """os.sync() then 3 > /proc/sys/vm/drop_caches; where that is refused, posix_fadvise
+    DONTNEED on every file under the `fallback` folders (drops their clean pages only, which
+    after the sync is all of them). Returns (dropped, note)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return True, "page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before every timed run"
     except OSError as e:
-        return False, (f"cannot drop the page cache ({e.strerror or e}); every timed run starts warm: the source "
-                       f"files are read once right before it, for copy and convert alike")
+        if fallback is None or not hasattr(os, "posix_fadvise"):
+            return False, (f"cannot drop the page cache ({e.strerror or e}); every timed run starts warm: the source "
+                           f"files are read once right before it, for copy and convert alike")
+        for folder in fallback:
+            for p in sorted(folder.rglob("*")) if folder.exists() else []:
+                if p.is_file():
+                    fd = os.open(p, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+        return True, (f"drop_caches refused ({e.strerror or e}): sync, then posix_fadvise(DONTNEED) on every source "
+                      f"file before every timed run")
+
+
+def tree_rss(pid: int) -> int:
+    """Summed VmRSS of pid and all its descendants (bytes)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += _proc_status(p).get("VmRSS", 0)
+        todo.extend(kids.get(p, []))
+    return total
 
 
 def prewarm(src: Path) -> None:
@@ -340,27 +398,31 @@ def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[
     return src, {"generated": True, "generate_seconds": dt}
 
 
-def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cache_mode: bool, quiet_wait: float) -> dict[str, Any]:
-    """One run in a fresh subprocess: wall time, the child's VmHWM, a sampled RSS breakdown."""
+def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_wait: float,
+              opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run in a fresh subprocess: wall time, the child's VmHWM, a sampled RSS breakdown and
+    the sampled peak of its process tree."""
     if dst.exists():
         shutil.rmtree(dst)
     report = workdir / f".report-{kind}.json"
     report.unlink(missing_ok=True)
-    if cache_mode:
-        drop_caches()
+    if cold:
+        drop_caches([src])
     else:
         prewarm(src)
     quiet = wait_quiet(quiet_wait) if quiet_wait > 0 else {}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(src), str(dst), str(report)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(src), str(dst), str(report),
+           "--child-opts", json.dumps(opts or {})]
     user0, busy0 = cpu_times()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
-    peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
+    peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0, "tree": 0}
     while True:
         pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
         st = _proc_status(proc.pid)
+        st["tree"] = tree_rss(proc.pid)
         for k in peak:
             peak[k] = max(peak[k], st.get(k, 0))
         time.sleep(0.05)
@@ -383,7 +445,8 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cache_mode: bool, 
         "peak_rss_bytes": child["status_at_exit"]["VmHWM"],
         "wait4_ru_maxrss_bytes": ru.ru_maxrss * 1024,
         "sampled_peak": {"rss_anon_bytes": peak["RssAnon"], "rss_file_bytes": peak["RssFile"],
-                         "vm_rss_bytes": peak["VmRSS"]},
+                         "vm_rss_bytes": peak["VmRSS"], "process_tree_rss_bytes": peak["tree"]},
+        "opts": opts or {},
         "user_seconds": ru.ru_utime,
         "sys_seconds": ru.ru_stime,
         # Machine-wide CPU time during the run minus the child's own. other_user: user-space time of
@@ -402,6 +465,57 @@ def fmt_gb(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
 
 
+def parse_workers(text: str) -> list[int]:
+    """'1,all' -> [1, usable cores]."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    out = []
+    for w in text.split(","):
+        w = w.strip()
+        n = cores if w == "all" else int(w)
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def summarize(runs: list[dict[str, Any]], src_bytes: int, workers: int) -> dict[str, Any]:
+    """Per configuration: median of the per-pair ratios, GB/s, bytes written, peak RSS."""
+    pairs: dict[int, dict[str, dict[str, Any]]] = {}
+    for x in runs:
+        if x.get("pair") is not None:
+            pairs.setdefault(x["pair"], {})[x["kind"]] = x
+    ratios = [p["convert"]["wall_seconds"] / p["copy"]["wall_seconds"] for p in pairs.values()
+              if "convert" in p and "copy" in p]
+    conv = [x for x in runs if x["kind"] == "convert" and x.get("pair") is not None]
+    copy = [x for x in runs if x["kind"] == "copy"]
+    warm = [x for x in runs if x["kind"] == "convert" and x.get("pair") is None]
+    allc = [x for x in runs if x["kind"] == "convert"]
+    med = statistics.median
+    out: dict[str, Any] = {
+        "workers": workers,
+        "pairs": len(ratios),
+        "ratio_per_pair": ratios,
+        "ratio_median_of_pairs": med(ratios) if ratios else None,
+        "copy_seconds": [x["wall_seconds"] for x in copy],
+        "convert_seconds": [x["wall_seconds"] for x in conv],
+        "copy_source_GBps": src_bytes / med([x["wall_seconds"] for x in copy]) / 1e9 if copy else None,
+        "convert_source_GBps": src_bytes / med([x["wall_seconds"] for x in conv]) / 1e9 if conv else None,
+        "convert_in_process_source_GBps": src_bytes / med([x["op_seconds"] for x in conv]) / 1e9 if conv else None,
+        "output_bytes": allc[0]["output_bytes"] if allc else None,
+        "peak_rss_bytes": max(x["peak_rss_bytes"] for x in allc) if allc else None,
+        "peak_process_tree_rss_bytes": max(x["sampled_peak"]["process_tree_rss_bytes"] for x in allc) if allc else None,
+        "rss_bound_bytes": allc[0]["child"].get("rss_bound_bytes") if allc else None,
+        "rss_within_bound": all(max(x["peak_rss_bytes"], x["sampled_peak"]["process_tree_rss_bytes"])
+                                <= x["child"]["rss_bound_bytes"] for x in allc)
+                            if allc and "rss_bound_bytes" in allc[0]["child"] else None,
+        "convert_cpu_seconds": [round(x["user_seconds"] + x["sys_seconds"], 1) for x in allc],
+    }
+    if warm:
+        out["warm_convert_seconds"] = [x["wall_seconds"] for x in warm]
+        out["warm_convert_source_GBps"] = src_bytes / med([x["wall_seconds"] for x in warm]) / 1e9
+        out["warm_convert_in_process_source_GBps"] = src_bytes / med([x["op_seconds"] for x in warm]) / 1e9
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -411,7 +525,16 @@ def main(argv: list[str] | None = None) -> int:
                          "export (routed experts MXFP4, 384 experts by default)")
     ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default 256; --smoke 8)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 129280; --smoke 16384)")
-    ap.add_argument("--repeat", type=int, default=None, help="timed runs of each kind (default 2; --smoke 1)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversions (default 1)")
+    ap.add_argument("--target", default="gfx950", help="comma-separated targets, e.g. gfx950,gfx942 (default gfx950)")
+    ap.add_argument("--workers", default="1", help="comma-separated worker counts, 'all' = usable cores, e.g. 1,all "
+                                                   "(default 1)")
+    ap.add_argument("--pairs", "--repeat", dest="pairs", type=int, default=None,
+                    help="cold (copy, convert) pairs per configuration (default 2; --smoke 1)")
+    ap.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                    help="cold: drop the page cache before every timed run (default); warm: read the source first")
+    ap.add_argument("--warm-runs", type=int, default=0,
+                    help="extra conversions per configuration with a warm page cache (source GB/s)")
     ap.add_argument("--workdir", type=Path, default=None, help=f"scratch folder (default {DEFAULT_WORKDIR}[-smoke])")
     ap.add_argument("--reuse", action="store_true", help="reuse a complete source from an earlier run in --workdir")
     ap.add_argument("--keep-source", action="store_true", help="keep the generated source (for a later --reuse)")
@@ -422,23 +545,29 @@ def main(argv: list[str] | None = None) -> int:
                          "(default 120; --smoke 0); the CPU other processes used during each run is recorded either way")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--child", nargs=4, metavar=("KIND", "SRC", "DST", "REPORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-opts", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         kind, src, dst, report = args.child
-        run_child(kind, Path(src), Path(dst), Path(report), args.seed)
+        run_child(kind, Path(src), Path(dst), Path(report), args.seed, json.loads(args.child_opts))
         return 0
 
     mode = "smoke" if args.smoke else "full"
     args.experts = args.experts or (8 if args.smoke else 256 if args.format == "fp8" else 384)
     args.vocab = args.vocab or (16384 if args.smoke else 129280 if args.format == "fp8" else 163840)
-    args.repeat = args.repeat or (1 if args.smoke else 2)
+    args.pairs = args.pairs or (1 if args.smoke else 2)
     if args.quiet_wait is None:
         args.quiet_wait = 0.0 if args.smoke else 120.0
+    targets = [t.strip() for t in args.target.split(",")]
+    worker_counts = parse_workers(args.workers)
     workdir = (args.workdir or Path(f"{DEFAULT_WORKDIR}{'-smoke' if args.smoke else ''}")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
-    dropped, cache_note = drop_caches()
+    dropped, cache_note = drop_caches([workdir])
+    cold = args.cache == "cold" and dropped
+    if args.cache == "warm":
+        cache_note = "warm: the source is read once right before every timed run, copy and convert alike"
     print(f"[bench] {cache_note}", flush=True)
     package = package_fingerprint()
     print(f"[bench] atom_convert {package['version']}, sources sha256 {package['sources_sha256'][:16]}", flush=True)
@@ -449,54 +578,43 @@ def main(argv: list[str] | None = None) -> int:
     src_files -= 1
 
     runs: list[dict[str, Any]] = []
-    for r in range(args.repeat):
-        order = ("copy", "convert") if r % 2 == 0 else ("convert", "copy")
-        for kind in order:
-            dst = workdir / f"out-{kind}"
-            res = timed_run(kind, src, dst, workdir, dropped, args.quiet_wait)
-            res["repeat"] = r
-            res["package_sources_sha256"] = package_fingerprint()["sources_sha256"]
-            if res["package_sources_sha256"] != package["sources_sha256"]:
-                print("[bench] WARNING: atom_convert's sources changed during this run; the runs do not all "
-                      "measure the same code (see package_sources_sha256 per run in the JSON)", flush=True)
-            runs.append(res)
-            print(f"[bench] repeat {r} {kind:7s}: {res['wall_seconds']:7.1f} s wall ({res['op_seconds']:.1f} s in-process), "
-                  f"peak RSS {fmt_gb(res['peak_rss_bytes'])}, output {fmt_gb(res['output_bytes'])}, "
-                  f"CPU {res['user_seconds'] + res['sys_seconds']:.0f} s (other processes' user CPU: {res['other_user_cpu_seconds']:.0f} s)",
-                  flush=True)
-            shutil.rmtree(dst)
-            os.sync()
+    configs: list[dict[str, Any]] = []
 
-    copy_s = [x["wall_seconds"] for x in runs if x["kind"] == "copy"]
-    conv_s = [x["wall_seconds"] for x in runs if x["kind"] == "convert"]
-    copy_op = [x["op_seconds"] for x in runs if x["kind"] == "copy"]
-    conv_op = [x["op_seconds"] for x in runs if x["kind"] == "convert"]
-    ratio = statistics.median(conv_s) / statistics.median(copy_s)
-    rss_conv = max(x["peak_rss_bytes"] for x in runs if x["kind"] == "convert")
-    rss_copy = max(x["peak_rss_bytes"] for x in runs if x["kind"] == "copy")
-    out_bytes = [x["output_bytes"] for x in runs if x["kind"] == "convert"][0]
-    summary = {
-        "source_bytes": src_bytes,
-        "source_files": src_files,
-        "copy_seconds": copy_s,
-        "convert_seconds": conv_s,
-        "copy_op_seconds": copy_op,
-        "convert_op_seconds": conv_op,
-        "copy_median_seconds": statistics.median(copy_s),
-        "convert_median_seconds": statistics.median(conv_s),
-        "ratio_convert_over_copy_median": ratio,
-        "ratio_per_repeat": [c / p for c, p in zip(conv_s, copy_s)],
-        "ratio_op_median": statistics.median(conv_op) / statistics.median(copy_op),
-        "copy_throughput_MBps": src_bytes / statistics.median(copy_s) / 1e6,
-        "convert_throughput_MBps": src_bytes / statistics.median(conv_s) / 1e6,
-        "peak_rss_convert_bytes": rss_conv,
-        "peak_rss_copy_bytes": rss_copy,
-        "output_bytes": out_bytes,
-        "copy_other_user_cpu_seconds": [x["other_user_cpu_seconds"] for x in runs if x["kind"] == "copy"],
-        "convert_other_user_cpu_seconds": [x["other_user_cpu_seconds"] for x in runs if x["kind"] == "convert"],
-        "aims": {"ratio_max": AIM_RATIO, "ratio_met": ratio <= AIM_RATIO,
-                 "rss_max_bytes": AIM_RSS_BYTES, "rss_met": rss_conv <= AIM_RSS_BYTES},
-    }
+    def one(kind: str, opts: dict[str, Any], warm_run: bool, pair: int | None, label: str) -> dict[str, Any]:
+        dst = workdir / f"out-{kind}"
+        res = timed_run(kind, src, dst, workdir, cold and not warm_run, args.quiet_wait, opts)
+        res.update(pair=pair, config=label, warm=warm_run or not cold)
+        res["package_sources_sha256"] = package_fingerprint()["sources_sha256"]
+        if res["package_sources_sha256"] != package["sources_sha256"]:
+            print("[bench] WARNING: atom_convert's sources changed during this run; the runs do not all "
+                  "measure the same code (see package_sources_sha256 per run in the JSON)", flush=True)
+        runs.append(res)
+        print(f"[bench] {label:28s} {'warm' if res['warm'] else 'cold'} {kind:7s}: {res['wall_seconds']:7.1f} s wall "
+              f"({res['op_seconds']:.1f} s in-process, {src_bytes / res['wall_seconds'] / 1e9:.2f} GB/s of source), "
+              f"peak RSS {fmt_gb(res['peak_rss_bytes'])} (tree {fmt_gb(res['sampled_peak']['process_tree_rss_bytes'])}), "
+              f"output {fmt_gb(res['output_bytes'])}, CPU {res['user_seconds'] + res['sys_seconds']:.0f} s "
+              f"(others' user CPU {res['other_user_cpu_seconds']:.0f} s)", flush=True)
+        shutil.rmtree(dst)
+        os.sync()
+        return res
+
+    k = 0
+    for target in targets:
+        for workers in worker_counts:
+            label = f"{target} tp={args.tp} workers={workers}"
+            opts = {"target": target, "tp": args.tp, "workers": workers}
+            mine: list[dict[str, Any]] = []
+            for p in range(args.pairs):
+                order = ("copy", "convert") if k % 2 == 0 else ("convert", "copy")
+                k += 1
+                for kind in order:
+                    mine.append(one(kind, opts, False, p, label))
+            for _ in range(args.warm_runs):
+                mine.append(one("convert", opts, True, None, label))
+            summary = summarize(mine, src_bytes, workers)
+            summary.update(target=target, tp=args.tp, label=label)
+            configs.append(summary)
+
     result = {
         "benchmark": ("atom-convert vs plain copy (fp8 DeepSeek-V3 width, synthetic)" if args.format == "fp8" else
                       "atom-convert vs plain copy (Quark MXFP4 Kimi-K2 width, synthetic)"),
@@ -506,36 +624,42 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "package": package,
         "package_changed_during_run": any(x["package_sources_sha256"] != package["sources_sha256"] for x in runs),
-        "page_cache": {"dropped": dropped, "note": cache_note},
-        "source": {"path": str(src), "layers": args.layers, "experts": args.experts, "shared_experts": 1,
+        "page_cache": {"cold": cold, "note": cache_note},
+        "source": {"path": str(src), "bytes": src_bytes, "files": src_files, "layers": args.layers,
+                   "experts": args.experts, "shared_experts": 1,
                    "vocab": args.vocab, "hidden": 7168, "heads": 128 if args.format == "fp8" else 64,
                    "first_k_dense_replace": 1, "mtp_layers": 0,
                    "format": ("fp8 e4m3fn, fp32 weight_scale_inv per 128x128 block" if args.format == "fp8" else
                               "Quark MXFP4 routed experts (uint8 e2m1 + e8m0 per 32), other linears bf16"),
-                   "seed": args.seed,
-                   "shard_bytes": SOURCE_SHARD_BYTES, **gen},
-        "convert_args": {"target": "gfx950", "tp": 1, "shard_size": "default (5 GB)", "mtp": True},
+                   "seed": args.seed, "shard_bytes": SOURCE_SHARD_BYTES, **gen},
         "timing": "wall seconds of a fresh subprocess, start to exit (convert includes importing torch); "
-                  "op_seconds: inside the child, after imports",
+                  "op_seconds: inside the child, after imports; ratio: per (copy, convert) pair, median over pairs",
         "runs": runs,
-        "summary": summary,
+        "configs": configs,
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.results_dir / f"{stamp}-{mode}.json"
+    out = args.results_dir / f"{stamp}-{mode}-{args.format}-tp{args.tp}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
 
     print()
-    print(f"machine : {machine['cpu_model']}, {machine['nproc']} CPUs, {fmt_gb(machine['ram_bytes'])} RAM")
+    print(f"machine : {machine['cpu_model']}, {machine['nproc_usable']} usable CPUs, {fmt_gb(machine['ram_bytes'])} RAM")
     print(f"cache   : {cache_note}")
-    print(f"source  : {fmt_gb(src_bytes)} in {src_files} files ({args.layers} layers, {args.experts} experts, "
-          f"vocab {args.vocab})")
-    print(f"copy    : {', '.join(f'{s:.1f}' for s in copy_s)} s  (median {summary['copy_median_seconds']:.1f} s, "
-          f"{summary['copy_throughput_MBps']:.0f} MB/s), peak RSS {fmt_gb(rss_copy)}")
-    print(f"convert : {', '.join(f'{s:.1f}' for s in conv_s)} s  (median {summary['convert_median_seconds']:.1f} s, "
-          f"{summary['convert_throughput_MBps']:.0f} MB/s), peak RSS {fmt_gb(rss_conv)}, output {fmt_gb(out_bytes)}")
-    print(f"ratio   : convert/copy = {ratio:.2f}x (aim <= {AIM_RATIO}x: {'met' if ratio <= AIM_RATIO else 'NOT met'}); "
-          f"peak RSS aim <= {fmt_gb(AIM_RSS_BYTES)}: {'met' if rss_conv <= AIM_RSS_BYTES else 'NOT met'}")
+    print(f"source  : {fmt_gb(src_bytes)} in {src_files} files ({args.format}, {args.layers} layers, "
+          f"{args.experts} experts, vocab {args.vocab})")
+    for c in configs:
+        line = f"{c['label']:30s}"
+        if c["ratio_median_of_pairs"] is not None:
+            line += (f" ratio {c['ratio_median_of_pairs']:.2f}x (pairs {', '.join(f'{r:.2f}' for r in c['ratio_per_pair'])})"
+                     f", copy {c['copy_source_GBps']:.2f} GB/s, convert {c['convert_source_GBps']:.2f} GB/s")
+        if c.get("warm_convert_source_GBps"):
+            line += f", warm convert {c['warm_convert_source_GBps']:.2f} GB/s"
+        line += f", peak RSS {fmt_gb(c['peak_rss_bytes'])} (tree {fmt_gb(c['peak_process_tree_rss_bytes'])}"
+        if c["rss_bound_bytes"]:
+            line += (f", bound workers x item + 1 GB = {fmt_gb(c['rss_bound_bytes'])}: "
+                     f"{'within' if c['rss_within_bound'] else 'EXCEEDED'}")
+        line += f"), wrote {fmt_gb(c['output_bytes'])}"
+        print(line)
     noisy = [x for x in runs if x["other_user_cpu_seconds"] > 0.1 * x["wall_seconds"]]
     if noisy:
         print(f"warning : other processes used > 0.1 core (user CPU) during {len(noisy)} of {len(runs)} runs "
