@@ -5,8 +5,10 @@ How it works:
 2. Detect the source format; the architecture's loader checks every tensor and
    plans every output (name, dtype, shape, sources) before any data is read.
 3. Assign outputs to size-bounded shards per rank, in load order.
-4. Stream: one group (a decoder layer) at a time, every rank's outputs are
-   produced and appended to that rank's open shard. Nothing else is held.
+4. Stream: (group, rank) items (a decoder layer's tensors for one rank) are
+   converted by `workers` threads inside a memory budget (workers.py), each
+   tensor written at its planned offset in its rank's shard (writer.py); one
+   worker holds one item's working set, nothing else is held.
 5. Copy config/tokenizer files, write the MTP set's manifest, then the main
    manifest last, then rename the temporary directory to DST.
 Any failure removes the temporary directory; DST is never half-written.
@@ -19,6 +21,7 @@ import ctypes
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from typing import Any, Callable, Iterator
 from tqdm import tqdm
 
 from . import loaders, quant
+from . import workers as workers_mod
 from .errors import BadInputError, DestinationExistsError, UnsupportedError
 from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
@@ -35,7 +39,7 @@ from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
 from .profile import get_profile
 from .quant.formats import TARGETS
 from .source import SourceCheckpoint
-from .writer import ShardSetWriter, WrittenFile
+from .writer import ShardSetWriter, WrittenFile, _IOThread
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
@@ -128,25 +132,40 @@ def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, Set
 
 
 def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progress: Callable[[int], None],
-               src: SourceCheckpoint) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+               src: SourceCheckpoint, workers: int, max_memory: int
+               ) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
     tp = plan.tp
+    stop = threading.Event()
     # The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
-    # producer (its split has one piece, so every rank's producer would yield the same bytes).
-    writer = ShardSetWriter(directory, layout.shards + [layout.common], layout.plan.outputs(), on_bytes=progress)
+    # item (its split has one piece, so every rank's producer would yield the same bytes).
+    writer = ShardSetWriter(directory, layout.shards + [layout.common], layout.plan.outputs(), on_bytes=progress,
+                            stop=stop)
+
+    def convert_item(item: workers_mod.Item, io: object) -> None:
+        assert isinstance(io, _IOThread)
+        writer.use_io(io)
+        try:
+            cache: dict[str, Any] = {}
+            for out in item.group.outputs:
+                if plan.is_common(out):
+                    if item.rank == 0:
+                        writer.write(tp, out, out.produce(0, cache))
+                    continue
+                writer.write(item.rank, out, out.produce(item.rank, cache))
+            # Wait for this item's writes: queued buffers may be views of source pages, and the
+            # worker's next item must start with none of them alive (bounded working set).
+            io.drain()
+        finally:
+            src.release()  # unmap the source pages this worker touched (its own handles)
+
+    def end_worker(io: object) -> None:
+        if isinstance(io, _IOThread):
+            io.close()
+
     try:
-        for group in layout.plan.groups:
-            for rank in range(tp):
-                cache: dict[str, Any] = {}
-                for out in group.outputs:
-                    if plan.is_common(out):
-                        if rank == 0:
-                            writer.write(tp, out, out.produce(0, cache))
-                        continue
-                    writer.write(rank, out, out.produce(rank, cache))
-            # Wait for the writes of this group: queued buffers may be views of source pages,
-            # and the next group must start with none of them alive (bounded working set).
-            writer.drain()
-            src.release()  # unmap this group's source pages
+        workers_mod.run_items(workers_mod.items(layout.plan.groups, tp), convert_item, workers=workers,
+                              budget=workers_mod.Budget(max_memory, stop), stop=stop,
+                              worker_state=_IOThread, end_worker=end_worker)
         files = writer.close()
     except BaseException:
         writer.abort()
@@ -197,7 +216,8 @@ def _staging(dst: Path) -> Iterator[Path]:
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
-            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False) -> dict[str, Any]:
+            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, workers: int | None = 1,
+            max_memory: int | str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
@@ -217,6 +237,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         progress: show a tqdm bar in bytes.
         mla_bmm: "fp8" (default) or "mxfp4" (gfx950, ATOM_USE_TRITON_MXFP4_BMM=1): the format of the
             MLA operands W_K/W_V.
+        workers: threads converting (layer, rank) items in parallel; None: every usable core (the
+            CLI's default). The output is byte-identical for every value.
+        max_memory: byte budget for the workers' working sets (bytes or text like "16GB"); None:
+            half of the memory available. Workers wait rather than exceed it.
 
     Returns:
         The manifest (also written to `dst/atom_manifest.json`).
@@ -227,6 +251,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     """
     t0 = time.perf_counter()
     dst = Path(dst)
+    workers = workers_mod.usable_cores() if workers is None else workers
+    if workers < 1:
+        raise BadInputError(f"workers must be >= 1, got {workers}")
+    budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
     _large_allocations_via_mmap()
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
@@ -240,11 +268,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         with _staging(dst) as tmp:
             mtp_manifest = None
             if mtp_layout is not None:
-                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source)
+                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source, workers, budget)
                 copied = _copy_side_files(source.path, tmp / MTP_DIR)
                 mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
                 write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
-            files, where = _write_set(main, tmp, plan, bar.update, source)
+            files, where = _write_set(main, tmp, plan, bar.update, source, workers, budget)
             copied = _copy_side_files(source.path, tmp)
             manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
                                       mtp_dir=tmp / MTP_DIR if mtp_manifest else None,

@@ -33,6 +33,7 @@ class OutTensor:
     meta: dict[str, Any] = field(default_factory=dict)  # padding and layout notes for loaders and checks
     split: Split = REPLICATED  # how the ranks divide it (parallel.py); `produce` is called per rank
     rank_sources: list[tuple[str, ...]] | None = None  # per rank, when ranks read different sources (EP)
+    chunk_bytes: int = 0  # the largest chunk `produce` yields (0: the whole tensor); sizes the memory budget
 
     def sources_of(self, rank: int) -> tuple[str, ...]:
         """The source tensors rank `rank`'s copy is made from."""

@@ -103,11 +103,13 @@ def _mappings(root: str) -> dict[str, int]:
     return dict(out)
 
 
-def trace_conversion(src: Path, dst: Path, *, target: str = "gfx950", sync_writer: bool = False) -> Trace:
+def trace_conversion(src: Path, dst: Path, *, target: str = "gfx950", sync_writer: bool = False,
+                     **convert_kw: Any) -> Trace:
     """Convert src -> dst and record, at every source read, the source tensors alive.
 
     sync_writer: run the writer's IO inline on the producing thread instead of on its
     background thread (isolates what the producers hold from what the IO queue holds).
+    convert_kw: further arguments of `atom_convert.convert` (workers, max_memory).
     """
     trace = Trace(src)
     alive: dict[int, tuple[str, int]] = {}
@@ -158,7 +160,7 @@ def trace_conversion(src: Path, dst: Path, *, target: str = "gfx950", sync_write
         # the collector, so that gc.collect() scans only what the conversion allocates.
         gc.freeze()
         try:
-            atom_convert.convert(src, dst, target=target)
+            atom_convert.convert(src, dst, target=target, **convert_kw)
         finally:
             gc.unfreeze()
     assert trace.reads, "the conversion read nothing through SourceCheckpoint"

@@ -34,6 +34,7 @@ def cli() -> None:
 @cli.command(epilog=_examples(
     "atom-convert convert ./DeepSeek-V3 ./DeepSeek-V3-atom --target gfx950 --tp 8",
     "atom-convert convert ./Kimi-K2-Instruct ./kimi-mi300 --target gfx942 --tp 8 --shard-size 10GB",
+    "atom-convert convert ./DeepSeek-R1 ./r1-atom --tp 8 --workers 16 --max-memory 48GB",
     "atom-convert convert ./DeepSeek-R1 ./r1-atom --no-mtp --dry-run",
     "atom-convert convert ./Kimi-K2-Thinking-MXFP4 ./kimi-mxfp4-atom --target gfx950 --tp 4 --mla-bmm mxfp4",
     "atom-convert convert ./DeepSeek-R1 ./r1-tp8-ep --tp 8 --ep",
@@ -61,10 +62,16 @@ def cli() -> None:
 @click.option("--mori", is_flag=True, help="The serving host can import mori (all2all under --dp-attention --ep).")
 @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="atom", show_default=True,
               help="Runtime names: atom (native server) or vllm-plugin (ATOM inside vLLM).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Threads converting (layer, rank) items in parallel [default: every usable core]. "
+                   "The output is byte-identical for every value.")
+@click.option("--max-memory", default=None,
+              help="Memory budget for the workers' working sets, e.g. 16GB [default: half of the available "
+                   "memory]; workers wait rather than exceed it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
             mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str, mori: bool, profile: str,
-            as_json: bool) -> None:
+            workers: int | None, max_memory: str | None, as_json: bool) -> None:
     """Convert the checkpoint in SRC into ATOM's layout in DST."""
     from ..convert import convert as run_convert
     from ..convert import plan_summary
@@ -78,7 +85,8 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
             _print_plan(plan)
         return
     m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
-                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, **par)
+                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, workers=workers,
+                    max_memory=max_memory, **par)
     if as_json:
         click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "parallel", "files", "mtp", "conversion_seconds")},
                               indent=1))

@@ -178,15 +178,18 @@ _CHUNK_BYTES = 64 << 20
 
 
 def _rows_in_chunks(ctx: _Ctx, name: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
-    """Rows [lo, hi) as bf16 copies of at most 64 MB, unmapping the source after each: an
-    embedding is 1.85 GB (V3), and a view into the file would keep all of it resident."""
+    """Rows [lo, hi) in pieces of at most 64 MB, the handle released after each: an embedding is
+    1.85 GB (V3), and one view of it all would keep all of it resident. A bf16 source piece is
+    yielded as the view itself (the writer copies it into the file; the mapping goes when the
+    write is done): no torch copy for the 3.7 GB of V3's embedding and lm_head."""
     info = ctx.src.info(name)
     row = max(1, info.nbytes // max(1, info.shape[0]))
     step = max(1, _CHUNK_BYTES // row)
     for a in range(lo, hi, step):
-        chunk = ctx.src.get_rows(name, a, min(hi, a + step)).to(BF16, copy=True)
+        chunk = ctx.src.get_rows(name, a, min(hi, a + step)).to(BF16)
         ctx.src.release()
         yield chunk
+        del chunk
 
 
 def _whole(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
@@ -213,8 +216,10 @@ def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], voca
                 f"evenly without padding (spec §2.1)"
             )
         local = (shape[0] // ctx.tp, *shape[1:])
-        return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name), split=ctx.split("dim"))]
-    return [OutTensor(out_name, BF16, shape, (src_name,), partial(_whole, ctx, src_name))]
+        return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name), split=ctx.split("dim"),
+                          chunk_bytes=_CHUNK_BYTES)]
+    return [OutTensor(out_name, BF16, shape, (src_name,), partial(_whole, ctx, src_name),
+                      chunk_bytes=_CHUNK_BYTES if len(shape) > 1 else 0)]
 
 
 def _local_rows(par: Par, rows: int, tp: int) -> int:
@@ -403,8 +408,10 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
     outs = []
     for which in ("w13", "w2"):
         key = f"{base}{which}_scale"
-        outs.append(_out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
-                         partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources))
+        w = _out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
+                 partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources)
+        w.chunk_bytes = w.nbytes // max(1, w.shape[0])  # one expert at a time
+        outs.append(w)
         sspec = specs.get(f"{which}_weight_scale")
         if sspec is not None:
             outs.append(_out(f"{base}{which}_weight_scale", sspec, sources,

@@ -1,0 +1,176 @@
+"""Workers: (group, rank) items converted on several threads inside a memory budget.
+
+How it works:
+1. A converted set is cut into items, one per (group, rank): a decoder layer's
+   tensors for one rank. Items are handed out in load order (group-major, so
+   at tp=8 sixteen workers hold two layers, not sixteen), each to the next free
+   worker thread. Torch ops, file writes, reads and hashlib release the GIL, so
+   threads overlap without pickling producers or duplicating source mappings.
+2. Before starting an item a worker reserves its estimated working set from a
+   byte budget (`--max-memory`); an item that does not fit waits until running
+   ones finish (one item alone always runs). So resident memory stays within
+   the budget whatever the number of workers.
+3. Every worker writes through its own write-behind thread into the shared
+   `ShardSetWriter`, which places bytes at their planned offsets: the output
+   does not depend on the number of workers or the order items finish in.
+4. The first error in any worker sets a shared stop event; the others stop at
+   their next buffer (the writer checks it), and the error is raised in the
+   caller, which removes the staging directory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .errors import BadInputError
+from .plan import Group, OutTensor
+
+# Besides the chunk being produced, a worker holds at most the chunk's source pages, one
+# intermediate copy (concatenation, padding or fnuz) and the chunks queued to its
+# write-behind thread (_IOThread's queue depth 4): a working set of this many chunks.
+CHUNKS_PER_WORKER = 3 + 4
+_MIN_ITEM = 64 << 20  # per item: norms, small tensors, Python objects
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (sched_getaffinity: cgroup and taskset limits apply)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 8 GB if it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 8 * 1000**3
+
+
+def default_max_memory() -> int:
+    """Half of the memory available now: the rest stays for the page cache, which holds the
+    source being read and the output until the hashing threads have read it back."""
+    return available_memory() // 2
+
+
+def chunk_bytes(out: OutTensor) -> int:
+    """The largest piece `out`'s producer holds at once."""
+    return out.chunk_bytes or out.nbytes
+
+
+def working_set(outputs: Iterable[OutTensor]) -> int:
+    """Estimated peak bytes one worker holds while producing these outputs (one rank's share
+    of a group); sizes the budget, see CHUNKS_PER_WORKER."""
+    outs = list(outputs)
+    largest = max((chunk_bytes(o) for o in outs), default=0)
+    return CHUNKS_PER_WORKER * largest + _MIN_ITEM
+
+
+@dataclass(frozen=True)
+class Item:
+    group: Group
+    rank: int
+    cost: int  # bytes reserved from the budget while it runs
+
+
+def items(groups: list[Group], tp: int) -> list[Item]:
+    """Every (group, rank), group-major: the order the files are laid out in."""
+    return [Item(g, r, working_set(g.outputs)) for g in groups for r in range(tp)]
+
+
+class Budget:
+    """A byte budget shared by the workers; `acquire` blocks until the item fits, or the stop
+    event is set (then it returns False). An item larger than the whole budget runs alone."""
+
+    def __init__(self, limit: int, stop: threading.Event):
+        if limit <= 0:
+            raise BadInputError(f"--max-memory must be positive, got {limit} bytes")
+        self.limit = limit
+        self.used = 0
+        self.running = 0
+        self.peak = 0  # largest reservation held at once (for tests and benches)
+        self._stop = stop
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> bool:
+        with self._cond:
+            while not self._stop.is_set() and self.running and self.used + n > self.limit:
+                self._cond.wait(0.1)
+            if self._stop.is_set():
+                return False
+            self.used += n
+            self.running += 1
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self.running -= 1
+            self._cond.notify_all()
+
+
+def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: int, budget: Budget,
+              stop: threading.Event, worker_state: Callable[[], object] = lambda: None,
+              end_worker: Callable[[object], None] = lambda s: None) -> None:
+    """Run `do(item, state)` for every item on `workers` threads; the first error stops all and
+    is raised here. `worker_state()` makes a worker's state (its write-behind thread) on the
+    worker's own thread; `end_worker(state)` ends it, also after an error."""
+    if workers < 1:
+        raise BadInputError(f"--workers must be >= 1, got {workers}")
+    queue = iter(work)
+    take = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        state = None
+        try:
+            state = worker_state()
+            while not stop.is_set():
+                with take:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                if not budget.acquire(item.cost):
+                    return
+                try:
+                    do(item, state)
+                finally:
+                    budget.release(item.cost)
+        except BaseException as e:  # noqa: BLE001  re-raised in the caller
+            with take:
+                errors.append(e)
+            stop.set()
+        finally:
+            try:
+                end_worker(state)
+            except BaseException as e:  # noqa: BLE001
+                with take:
+                    errors.append(e)
+                stop.set()
+
+    threads = [threading.Thread(target=worker, name=f"atom-convert-worker-{i}", daemon=True)
+               for i in range(min(workers, max(1, len(work))))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C reaches the main thread only: stop the workers, then leave
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        from .writer import Cancelled
+
+        real = [e for e in errors if not isinstance(e, Cancelled)]
+        raise (real or errors)[0]
