@@ -116,22 +116,22 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     from atom_convert.source import SourceCheckpoint
 
     # The bench also measures package states from before --workers (one worker, no budget).
-    parallel_api = "workers" in inspect.signature(atom_convert.convert).parameters
-    if not parallel_api and opts["workers"] != 1:
+    workers_api = "workers" in inspect.signature(atom_convert.convert).parameters
+    if not workers_api and opts["workers"] != 1:
         sys.exit("bench_convert: this atom_convert has no workers= option; use --workers 1")
-    kw = {"workers": opts["workers"]} if parallel_api else {}
+    kw = {"workers": opts["workers"]} if workers_api else {}
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
     info = {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
             "manifest_conversion_seconds": manifest.get("conversion_seconds")}
-    if parallel_api:
+    if workers_api:
         # The memory aim of issue 9: peak RSS <= workers x one item's working set + 1 GB, with the
-        # working set as parallel.py estimates it (the largest (layer, rank) item of the plan).
-        from atom_convert import parallel
+        # working set as workers.py estimates it (the largest (layer, rank) item of the plan).
+        from atom_convert import workers
 
         plan = make_plan(SourceCheckpoint(src), target=opts["target"], tp=opts["tp"])
         groups = plan.main.groups + (plan.mtp.groups if plan.mtp else [])
-        item = max(i.cost for i in parallel.items(groups, plan.tp))
+        item = max(i.cost for i in workers.items(groups, plan.tp))
         info.update(largest_item_working_set_bytes=item, rss_bound_bytes=opts["workers"] * item + 1000**3)
     return info
 
