@@ -86,13 +86,17 @@ class LayerOut:
 class ConvertedModel:
     """Forward over a converted directory, every rank summed."""
 
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(self, path: str | Path, device: str = "cpu", ranks: "list[Any] | None" = None):
+        """`ranks`: one reader per rank with ConvertedCheckpoint's interface (manifest, entry, get, `in`),
+        e.g. `load.LoadedRank` over a module tree filled by `load_into`; default: the files themselves."""
         import json
 
         self.path = Path(path)
-        self.ranks = [ConvertedCheckpoint(self.path, 0)]
+        if ranks is None:
+            ranks = [ConvertedCheckpoint(self.path, 0)]
+            ranks += [ConvertedCheckpoint(self.path, r) for r in range(1, ranks[0].typed.parallel.world)]
+        self.ranks = ranks
         self.par = self.ranks[0].typed.parallel
-        self.ranks += [ConvertedCheckpoint(self.path, r) for r in range(1, self.par.world)]
         self.attn_ranks = range(self.par.attn_tp)  # rank r < attn_tp holds attention piece r
         # The forward names tensors natively; the profile maps them to the stored names.
         self.name = get_profile(self.ranks[0].typed.profile).tensor

@@ -146,8 +146,24 @@ class SourceLayers:
         return layer.to(self.device).eval()
 
 
+def _through_loader(dst: Path, device: str) -> list[Any]:
+    """Every rank loaded by `load_into` into a bare module tree on `device`, read back as the reference
+    forward's ranks: the forward then computes with the tensors the loader placed."""
+    from .load import LoadedRank, load_into, module_tree, rank_view
+
+    tp = int(rank_view(dst, 0).manifest["tp_size"])
+    ranks = []
+    for r in range(tp):
+        tree = module_tree(rank_view(dst, r))
+        load_into(tree, dst, rank=r, device=device)
+        ranks.append(LoadedRank(tree, dst, r))
+    return ranks
+
+
 def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[int] | None = None, tokens: int = 16,
-           device: str = "cpu", seed: int = 0) -> VerifyResult:
+           device: str = "cpu", seed: int = 0, through_loader: bool = False) -> VerifyResult:
+    """`through_loader`: the converted side's forward reads the tensors `load_into` placed on `device`
+    (every rank), not the files."""
     dst = Path(dst)
     report = check_files(dst)
     result = VerifyResult(report)
@@ -156,7 +172,7 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     check_values(dst, source, report)
     src = SourceCheckpoint(source)
     spec = ModelSpec.from_config(src.config)
-    conv = ConvertedModel(dst, device=device)
+    conv = ConvertedModel(dst, device=device, ranks=_through_loader(dst, device) if through_loader else None)
     mxfp4_bmm = bool(conv.ranks[0].manifest["layout"]["flags"].get("ATOM_USE_TRITON_MXFP4_BMM"))
     ids = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)
     ref = SourceLayers(src, spec, device)

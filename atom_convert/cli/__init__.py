@@ -150,6 +150,7 @@ def inspect(path: Path, as_json: bool) -> None:
     "atom-convert verify ./DeepSeek-V3-atom",
     "atom-convert verify ./DeepSeek-V3-atom --source ./DeepSeek-V3 --layers 0,3 --tokens 32 --device cuda",
     "atom-convert verify ./tiny-atom --source ./tiny --json",
+    "atom-convert verify ./DeepSeek-V3-atom --source ./DeepSeek-V3 --device cuda --through-loader",
 ))
 @click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -157,15 +158,18 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--layers", default=None, help="Comma-separated layer indices for the per-layer forward check (default all).")
 @click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Random token ids to run.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--through-loader", is_flag=True,
+              help="Run the converted forward on the tensors atom_convert.load_into places on --device (every rank).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def verify(dst: Path, source: Path | None, layers: str | None, tokens: int, device: str, as_json: bool) -> None:
+def verify(dst: Path, source: Path | None, layers: str | None, tokens: int, device: str, through_loader: bool,
+           as_json: bool) -> None:
     """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes; with
     --source also every tensor's decoded values and a layer-by-layer forward against
     transformers' model of the source. Exits 1 when a check or threshold fails."""
     from ..verify import verify as run_verify
 
     picked = [int(x) for x in layers.split(",")] if layers else None
-    _report(run_verify(dst, source, layers=picked, tokens=tokens, device=device), as_json)
+    _report(run_verify(dst, source, layers=picked, tokens=tokens, device=device, through_loader=through_loader), as_json)
 
 
 def _report(r: Any, as_json: bool) -> None:

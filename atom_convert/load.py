@@ -1,0 +1,366 @@
+"""`load_into`: put one rank's converted tensors into a live module tree (spec atom-loading.md §8 A, §10).
+
+How it works:
+1. Read the manifest and take the rank's view of it (`RankView`: name -> file, runtime dtype, shape,
+   is_shuffled; aliases; target, layout flags, parallel layout, profile). This is the only place that
+   knows the manifest's shape, so a newer manifest format changes `rank_view` alone.
+2. Compare what the caller declares (target, layout flags, parallel layout, ATOM revision, profile)
+   with the manifest, and refuse naming every difference (§10 item 1).
+3. Bind every manifest tensor to a live place: a registered Parameter of the module its name names
+   (walked with `named_parameters(remove_duplicate=False)`), or, for W_K/W_K_scale/W_V/W_V_scale, a
+   plain attribute of the profile's MLA owner module (§10 items 4, 8). Every unmapped tensor, every
+   live Parameter nothing fills and every shape or dtype that differs is collected, and all are
+   reported in one error (§10 item 4).
+4. Place the bytes (`transfer.py`): on a CPU each tensor is a copy-on-write view of the file's own
+   mapping (no copy); on a GPU whole files are read in large chunks on several threads into pinned
+   buffers and copied on per-thread streams straight into the destination tensors. Bytes are only
+   reinterpreted as the manifest's runtime dtype, never converted (§10 item 5).
+5. Install: a Parameter that already lives on the device with the right shape keeps its object (the
+   bytes were copied into it); otherwise `module._parameters[name]` is replaced, as ATOM's own IPC
+   import does (§5: a meta Parameter cannot be filled in place). Then `is_shuffled = True` on every
+   Parameter the manifest marks (§10 item 6), one Parameter object under both names of each alias
+   (§10 item 7), the MLA attributes set with `setattr` (§10 item 8), transients freed (§10 item 12).
+Nothing here runs any process_weights_after_loading (§10 item 10).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .errors import BadInputError
+from .manifest import MANIFEST_NAME, read_manifest
+from .profile import get_profile
+from .transfer import FileRead, TensorSlot, place_cpu, place_cuda, read_header
+
+# Attributes PWAL creates on the MLA owner (spec atom-layout.md §2.7, atom-loading.md §3).
+MLA_ATTRS = ("W_K", "W_K_scale", "W_V", "W_V_scale")
+
+
+class ManifestMismatchError(BadInputError):
+    """The converted files assume a runtime other than the one the caller declares (§10 item 1)."""
+
+
+class LoadMismatchError(BadInputError):
+    """The converted tensors and the live module tree do not correspond one to one (§10 item 4)."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of one rank, as the loader needs it."""
+
+    name: str
+    file: str
+    dtype: torch.dtype  # the runtime's dtype (e.g. float4_e2m1fn_x2 for U8-stored MXFP4)
+    shape: tuple[int, ...]
+    is_shuffled: bool
+
+
+@dataclass(frozen=True)
+class RankView:
+    """A rank's tensors and the runtime the files assume: the loader's narrow view of a manifest."""
+
+    path: Path
+    rank: int
+    tensors: dict[str, TensorRef]  # load order
+    aliases: dict[str, str]  # alias name -> tensor name
+    target: str
+    flags: dict[str, Any]
+    parallel: dict[str, Any]
+    profile: str
+    atom_revision: str
+    manifest: dict[str, Any] = field(repr=False)
+
+
+def _torch_dtype(name: str, where: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise BadInputError(f"{where}: dtype {name!r} is not a torch dtype in this torch ({torch.__version__}); "
+                            "use a torch that has it")
+    return dt
+
+
+def rank_view(path: str | os.PathLike[str], rank: int) -> RankView:
+    """The rank's view of a converted directory (or of its `mtp/` set)."""
+    path = Path(path)
+    m = read_manifest(path)
+    tp = int(m["tp_size"])
+    if not 0 <= rank < tp:
+        raise BadInputError(f"{path / MANIFEST_NAME}: rank {rank} out of range; the files were converted for tp={tp}")
+    tensors = {}
+    for name, e in m["tensors"].items():
+        where = f"{path / MANIFEST_NAME}: tensor {name}"
+        tensors[name] = TensorRef(name=name, file=e["rank_files"][rank],
+                                  dtype=_torch_dtype(e.get("runtime_dtype") or e["dtype"], where),
+                                  shape=tuple(e["shape"]), is_shuffled=bool(e["is_shuffled"]))
+    layout = m["layout"]
+    flags = dict(layout.get("flags", {}))
+    parallel = dict(m.get("parallel") or {"tp_size": tp, "enable_expert_parallel": bool(flags.get("enable_expert_parallel"))})
+    return RankView(path=path, rank=rank, tensors=tensors, aliases=dict(m.get("aliases", {})), target=m["target"],
+                    flags=flags, parallel=parallel, profile=layout.get("profile", "atom"),
+                    atom_revision=layout.get("atom_revision", ""), manifest=m)
+
+
+def manifest_differences(view: RankView, *, target: str | None = None, flags: Mapping[str, Any] | None = None,
+                         parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None,
+                         profile: str | None = None) -> list[str]:
+    """Every field where the files differ from what the caller declares (None: not declared)."""
+    diffs = []
+    if target is not None and target != view.target:
+        diffs.append(f"target: manifest {view.target!r}, declared {target!r}")
+    if profile is not None and profile != view.profile:
+        diffs.append(f"layout.profile: manifest {view.profile!r}, declared {profile!r}")
+    if atom_revision is not None and not (atom_revision.startswith(view.atom_revision) or view.atom_revision.startswith(atom_revision)):
+        diffs.append(f"layout.atom_revision: manifest {view.atom_revision!r}, declared {atom_revision!r}")
+    if flags is not None:
+        for k in sorted(set(flags) | set(view.flags)):
+            if k == "tp_size":  # a parallel field, compared below
+                continue
+            if k not in flags or k not in view.flags or flags[k] != view.flags[k]:
+                diffs.append(f"layout.flags.{k}: manifest {view.flags.get(k, '(absent)')!r}, "
+                             f"declared {flags.get(k, '(absent)')!r}")
+    if parallel is not None:
+        for k in sorted(parallel):
+            if k not in view.parallel or parallel[k] != view.parallel[k]:
+                diffs.append(f"parallel.{k}: manifest {view.parallel.get(k, '(absent)')!r}, declared {parallel[k]!r}")
+    return diffs
+
+
+@dataclass
+class LoadStats:
+    """What `load_into` did."""
+
+    bytes: int
+    seconds: float
+    tensors: int
+    files: int
+    device: str
+    method: str  # "mmap" (CPU) or "pinned-streams" (GPU)
+    copied_bytes: int = 0  # CPU: bytes copied rather than mapped (misaligned tensors)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "seconds": round(self.seconds, 6), "gb_per_s": round(self.gb_per_s, 3),
+                "tensors": self.tensors, "files": self.files, "device": self.device, "method": self.method, "copied_bytes": self.copied_bytes}
+
+
+@dataclass
+class _Binding:
+    ref: TensorRef
+    module: nn.Module
+    attr: str
+    is_param: bool
+
+
+def _split(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
+    """Map every manifest tensor to a live place; raise one error listing every problem (§10 item 4)."""
+    problems: list[str] = []
+    bindings: list[_Binding] = []
+    where = view.path / MANIFEST_NAME
+    live = dict(model.named_parameters(remove_duplicate=False))
+    for ref in view.tensors.values():
+        modpath, attr = _split(ref.name)
+        try:
+            module = model.get_submodule(modpath) if modpath else model
+        except AttributeError:
+            problems.append(f"unexpected: {ref.name} (in {where}, rank {view.rank} file {ref.file}) has no module "
+                            f"{modpath!r} in the live model")
+            continue
+        if attr in MLA_ATTRS and (modpath == mla_owner or modpath.endswith("." + mla_owner)):
+            bindings.append(_Binding(ref, module, attr, is_param=False))
+            continue
+        if attr not in module._parameters or module._parameters[attr] is None:
+            problems.append(f"unexpected: {ref.name} (in {where}, rank {view.rank} file {ref.file}) has no live "
+                            f"Parameter; module {modpath!r} ({type(module).__name__}) registers "
+                            f"{sorted(k for k, v in module._parameters.items() if v is not None) or 'none'}")
+            continue
+        p = live.get(ref.name, module._parameters[attr])
+        if tuple(p.shape) != ref.shape or p.dtype != ref.dtype:
+            problems.append(f"wrong shape or dtype: {ref.name}: live Parameter {p.dtype} {list(p.shape)}, files "
+                            f"{ref.dtype} {list(ref.shape)} (in {where}, rank {view.rank})")
+            continue
+        bindings.append(_Binding(ref, module, attr, is_param=True))
+    for alias, name in view.aliases.items():
+        if name not in view.tensors:
+            problems.append(f"alias {alias} -> {name}: {name} is not a tensor of {where}")
+            continue
+        modpath, _ = _split(alias)
+        try:
+            model.get_submodule(modpath)
+        except AttributeError:
+            problems.append(f"unexpected: alias {alias} (in {where}) has no module {modpath!r} in the live model")
+    filled = set(view.tensors) | set(view.aliases)
+    for name in live:
+        if name not in filled:
+            problems.append(f"missing: live Parameter {name} ({live[name].dtype} {list(live[name].shape)}) is not "
+                            f"in {where} for rank {view.rank}")
+    if problems:
+        raise LoadMismatchError(
+            f"{view.path}: the converted tensors and the live model differ ({len(problems)} problem(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nBuild the model with the same config.json, flags and parallel layout as the conversion "
+              "(atom-convert inspect shows them), or convert again for this model."
+        )
+    return bindings
+
+
+def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: str | torch.device = "cpu",
+              profile: str = "atom", target: str | None = None, flags: Mapping[str, Any] | None = None,
+              parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None,
+              threads: int | None = None, chunk_bytes: int | None = None) -> LoadStats:
+    """Fill `model`'s parameters and post-load attributes from rank `rank` of a converted directory.
+
+    Args:
+        model: the live module tree (names as the manifest's profile gives them; Parameters may be on
+            meta, on the CPU or on `device`).
+        path: a converted directory (or its `mtp/` set for the drafter).
+        rank: the tensor-parallel rank whose files to load.
+        device: where the tensors go ("cpu": memory-mapped without copying where aligned).
+        profile: the runtime naming profile the model follows ("atom").
+        target, flags, parallel, atom_revision: what the live runtime is; each one given must equal
+            the manifest's, else `ManifestMismatchError` names every difference.
+        threads, chunk_bytes: the GPU path's reader threads and chunk size (defaults in transfer.py).
+
+    Returns:
+        LoadStats: bytes placed, seconds, GB/s, tensors, files.
+
+    Example:
+        >>> stats = atom_convert.load_into(model, "DeepSeek-V3-atom", rank=3, device="cuda:3", target="gfx950")
+    """
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    prof = get_profile(profile)
+    view = rank_view(path, rank)
+    diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision,
+                                 profile=profile)
+    if diffs:
+        raise ManifestMismatchError(
+            f"{view.path / MANIFEST_NAME}: the converted files do not match this runtime "
+            f"({len(diffs)} difference(s)):\n" + "\n".join(f"  - {d}" for d in diffs)
+            + "\nConvert again with these settings (atom-convert convert --target/--tp, or ensure_converted), "
+              "or start the runtime with the settings the manifest records."
+        )
+    bindings = _bind(model, view, prof.mla_owner)
+
+    # Destinations: an existing Parameter on the device with the same shape, dtype and a dense layout
+    # keeps its object and receives the bytes; anything else gets a fresh tensor.
+    slots: dict[str, TensorSlot] = {}
+    for b in bindings:
+        cur = b.module._parameters.get(b.attr) if b.is_param else None
+        reuse = (cur is not None and cur.device == dev and cur.is_contiguous() and dev.type != "cpu")
+        slots[b.ref.name] = TensorSlot(b.ref.name, b.ref.dtype, b.ref.shape, cur.data if reuse else None)
+    by_file: dict[str, list[TensorSlot]] = {}
+    for b in bindings:
+        by_file.setdefault(b.ref.file, []).append(slots[b.ref.name])
+    reads = [FileRead(view.path / f, read_header(view.path / f), ss) for f, ss in by_file.items()]
+    copied = 0
+    if dev.type == "cpu":
+        copied, method = place_cpu(reads), "mmap"
+    elif dev.type == "cuda":
+        method = place_cuda(reads, dev, threads=threads, chunk_bytes=chunk_bytes)
+    else:
+        raise BadInputError(f"load_into: device {dev} is not supported; use 'cpu' or 'cuda[:N]'")
+
+    nbytes = 0
+    for b in bindings:
+        t = slots[b.ref.name].tensor
+        assert t is not None
+        nbytes += t.numel() * t.element_size()
+        if not b.is_param:
+            setattr(b.module, b.attr, t)  # W_K/W_V and their 0-dim scales: plain tensors (§2.7)
+            continue
+        cur = b.module._parameters[b.attr]
+        if slots[b.ref.name].given is not None and cur is not None:
+            p = cur  # the bytes went into the existing object
+        else:
+            p = nn.Parameter(t, requires_grad=False)
+            b.module._parameters[b.attr] = p
+        if b.ref.is_shuffled:
+            p.is_shuffled = True  # type: ignore[attr-defined]  # read by gather_kv_b_proj and aiter (§3)
+    for alias, name in view.aliases.items():
+        amod, aattr = _split(alias)
+        tmod, tattr = _split(name)
+        model.get_submodule(amod)._parameters[aattr] = model.get_submodule(tmod)._parameters[tattr]  # one object
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+    return LoadStats(bytes=nbytes, seconds=time.perf_counter() - t0, tensors=len(bindings), files=len(reads),
+                     device=str(dev), method=method, copied_bytes=copied)
+
+
+def module_tree(view: RankView) -> nn.Module:
+    """A bare module tree with one meta Parameter per manifest tensor (MLA attributes left for
+    `load_into` to set) and the aliases registered: what `verify` loads into when no runtime model
+    is at hand. Generated from the manifest, so it checks the transfer, not the layout; the tests
+    hold the layout against trees written from the spec."""
+    root = nn.Module()
+
+    def module(path: str) -> nn.Module:
+        m = root
+        for part in path.split(".") if path else []:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        return m
+
+    prof = get_profile(view.profile)
+    for ref in view.tensors.values():
+        modpath, attr = _split(ref.name)
+        m = module(modpath)
+        if attr in MLA_ATTRS and (modpath == prof.mla_owner or modpath.endswith("." + prof.mla_owner)):
+            continue
+        m.register_parameter(attr, nn.Parameter(torch.empty(ref.shape, dtype=ref.dtype, device="meta"),
+                                                requires_grad=False))
+    for alias, name in view.aliases.items():
+        amod, aattr = _split(alias)
+        tmod, tattr = _split(name)
+        module(amod).register_parameter(aattr, module(tmod)._parameters[tattr])
+    return root
+
+
+class LoadedRank:
+    """A loaded module tree seen through `ConvertedCheckpoint`'s reading interface (manifest, entry,
+    get, `in`), so that the reference forward (reference.py) computes with the tensors `load_into`
+    placed rather than with the files."""
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike[str], rank: int):
+        from .reader import ConvertedCheckpoint
+
+        self._ck = ConvertedCheckpoint(path, rank)
+        self.model, self.rank, self.path = model, rank, Path(path)
+        self.manifest = self._ck.manifest
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ck
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return self._ck.aliases
+
+    def entry(self, name: str) -> dict[str, Any]:
+        return self._ck.entry(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        modpath, attr = _split(name)
+        m = self.model.get_submodule(modpath) if modpath else self.model
+        p = m._parameters.get(attr)
+        t = p if p is not None else getattr(m, attr)
+        return t.detach()

@@ -1,0 +1,267 @@
+"""Moving safetensors bytes into tensors: a no-copy CPU mapping and a pinned, multi-stream GPU path.
+
+How it works (GPU, `place_cuda`):
+1. Every destination tensor exists before the first byte is read: the caller's (an existing
+   Parameter on the device) or a fresh `torch.empty` on the device.
+2. Each file's data region is cut into chunks of `chunk_bytes`; the chunks of all files form one
+   queue, in file order, so that the disk sees a few large sequential streams.
+3. `threads` workers each own two pinned host buffers and one CUDA stream. A worker takes the next
+   chunk, waits until the copy that last used that buffer has finished (an event), `preadv`s the
+   chunk into the buffer (the GIL is released during the read), then enqueues on its stream one
+   host-to-device copy per destination tensor the chunk overlaps. Reads of one chunk overlap the
+   copies of the previous one, and the workers' copies overlap each other.
+4. Bytes are copied as bytes: the destination is viewed as uint8, so fp8, e8m0 and fp4 are never
+   converted (atom-loading.md §10 item 5).
+Why not `cudaHostRegister` on the file's mapping: registering 2 GB and unregistering it cost more
+than the copy saved on the H200 device machine (issue 11: 20.0 GB/s with registration in series
+against 30-35 GB/s for this pipeline at 8-16 threads).
+
+CPU (`place_cpu`): each file is mapped once copy-on-write (`mmap.ACCESS_COPY`) and every tensor is a
+view of the mapping, so no byte is copied until something writes to it; a tensor whose file offset is
+not 16-byte aligned is copied into its own allocation (`CPU_VIEW_ALIGN`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import BadInputError
+
+DEFAULT_THREADS = 8
+# A CPU tensor is a view of the mapping only when its file offset is a multiple of this: consumers
+# reinterpret rows as 16-byte units (shuffle16, SIMD loads), which a misaligned view refuses. The
+# writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
+CPU_VIEW_ALIGN = 16
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    data_start: int
+    file_size: int
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]]  # name -> (st dtype, shape, begin, end)
+
+
+def read_header(path: Path) -> Header:
+    """A safetensors file's header: where each tensor's bytes lie (reads the header only)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise BadInputError(f"{path}: missing; the converted directory is incomplete, convert again") from None
+    except ValueError as e:
+        raise BadInputError(f"{path}: not a safetensors file ({e}); convert again") from None
+    header.pop("__metadata__", None)
+    entries = {k: (v["dtype"], tuple(v["shape"]), v["data_offsets"][0], v["data_offsets"][1]) for k, v in header.items()}
+    return Header(path=path, data_start=8 + n, file_size=size, entries=entries)
+
+
+@dataclass
+class TensorSlot:
+    """One destination: the runtime dtype and shape, and optionally an existing tensor to fill."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    given: torch.Tensor | None = None
+    tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class FileRead:
+    path: Path
+    header: Header
+    slots: list[TensorSlot]
+
+    def located(self) -> list[tuple[TensorSlot, int]]:
+        """(slot, absolute file offset), checked against the header, in file order."""
+        problems = []
+        out = []
+        for s in self.slots:
+            e = self.header.entries.get(s.name)
+            if e is None:
+                problems.append(f"{self.path}: tensor {s.name} is not in the file (the manifest names it); convert again")
+                continue
+            st, shape, b, end = e
+            if end - b != s.nbytes or shape != s.shape:
+                problems.append(f"{self.path}: tensor {s.name}: file holds {st} {list(shape)} ({end - b} bytes), "
+                                f"manifest says {s.dtype} {list(s.shape)} ({s.nbytes} bytes); convert again")
+                continue
+            if self.header.data_start + end > self.header.file_size:
+                problems.append(f"{self.path}: tensor {s.name} ends at byte {self.header.data_start + end}, the file has "
+                                f"{self.header.file_size}; the file is truncated, convert again")
+                continue
+            out.append((s, self.header.data_start + b))
+        if problems:
+            raise BadInputError("\n".join(problems))
+        return sorted(out, key=lambda x: x[1])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (0-dim included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def place_cpu(reads: list[FileRead]) -> int:
+    """Map each file copy-on-write; every slot becomes a view of its bytes (or a copy if misaligned).
+    Returns the bytes copied."""
+    copied = 0
+    for fr in reads:
+        located = fr.located()
+        if not located:
+            continue
+        with open(fr.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive as long as any view lives
+        for s, off in located:
+            raw = buf[off:off + s.nbytes]
+            if s.given is not None:
+                _as_bytes(s.given).copy_(raw)
+                s.tensor = s.given
+                copied += s.nbytes
+            elif off % CPU_VIEW_ALIGN == 0:
+                s.tensor = raw.view(s.dtype).view(s.shape)
+            else:
+                s.tensor = raw.clone().view(s.dtype).view(s.shape)
+                copied += s.nbytes
+    return copied
+
+
+_pool_lock = threading.Lock()
+_pools: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _pinned(count: int, chunk: int) -> list[torch.Tensor]:
+    """Pinned host buffers, kept for the process: a server loads the model and its drafter, and
+    pinning costs about as much per byte as copying (field notes: ~4 GB/s)."""
+    with _pool_lock:
+        pool = _pools.setdefault((chunk, 0), [])
+        while len(pool) < count:
+            pool.append(torch.empty(chunk, dtype=torch.uint8, pin_memory=True))
+        return pool[:count]
+
+
+def place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None = None,
+               chunk_bytes: int | None = None) -> str:
+    with _run_lock:  # the pinned pool is shared: one GPU load at a time per process
+        return _place_cuda(reads, device, threads=threads, chunk_bytes=chunk_bytes)
+
+
+_run_lock = threading.Lock()
+
+
+def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None,
+                chunk_bytes: int | None) -> str:
+    threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
+    chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
+    # Destinations first, so that no allocation waits behind a copy.
+    jobs: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, offset, length, pieces
+    for fr in reads:
+        located = fr.located()
+        if not located:
+            continue
+        spans = []
+        for s, off in located:
+            if s.given is None:
+                s.tensor = torch.empty(s.shape, dtype=s.dtype, device=device)
+            else:
+                s.tensor = s.given
+            spans.append((_as_bytes(s.tensor), off, off + s.nbytes))
+        lo, hi = spans[0][1], max(e for _, _, e in spans)
+        i = 0
+        for a in range(lo, hi, chunk):
+            b = min(a + chunk, hi)
+            pieces = []
+            while i < len(spans) and spans[i][2] <= a:
+                i += 1
+            j = i
+            while j < len(spans) and spans[j][1] < b:
+                dst, s0, s1 = spans[j]
+                x0, x1 = max(s0, a), min(s1, b)
+                if x1 > x0:
+                    pieces.append((dst[x0 - s0:x1 - s0], x0 - a, x1 - x0))
+                j += 1
+            jobs.append((fr.path, a, b - a, pieces))
+    if not jobs:
+        return "pinned-streams"
+    threads = max(1, min(threads, len(jobs)))
+    bufs = _pinned(2 * threads, chunk)
+    fds = {p: os.open(p, os.O_RDONLY) for p in {j[0] for j in jobs}}
+    for fd in fds.values():
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    next_job = iter(range(len(jobs)))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            events = [None, None]
+            k = 0
+            while not errors:
+                with lock:
+                    idx = next(next_job, None)
+                if idx is None:
+                    break
+                path, off, n, pieces = jobs[idx]
+                slot = k % 2
+                if events[slot] is not None:
+                    events[slot].synchronize()  # the last copy out of this buffer is done
+                buf = bufs[2 * w + slot]
+                mv = memoryview(buf.numpy())[:n]
+                got = 0
+                while got < n:
+                    r = os.preadv(fds[path], [mv[got:]], off + got)
+                    if r <= 0:
+                        raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
+                    got += r
+                with torch.cuda.stream(stream):
+                    for dst, at, length in pieces:
+                        dst.copy_(buf[at:at + length], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                events[slot] = ev
+                k += 1
+            stream.synchronize()
+
+    def run(w: int) -> None:
+        try:
+            worker(w)
+        except BaseException as e:  # reported on the caller's thread
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, args=(w,), name=f"atom-convert-load-{w}") for w in range(threads)]
+    try:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if errors:
+        raise errors[0]
+    return "pinned-streams"

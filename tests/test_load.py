@@ -1,0 +1,228 @@
+"""`load_into` against module trees written from the spec (tests/atom_trees.py), per the loader
+contract of ../shared/spec/atom-loading.md §10 (items that need no ATOM: 1, 4-8, 10, 12, 14).
+
+Oracles: the module trees come from the layout spec, not from a manifest; bytes are compared with
+what the safetensors library itself reads from the files; the forward through the loader is judged
+by `verify` against transformers' model of the source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import atom_convert
+import atom_trees as T
+from atom_convert.load import LoadMismatchError, LoadedRank, ManifestMismatchError, rank_view
+from atom_convert.reference import ConvertedModel
+from atom_convert.verify import verify
+from conftest import FORMATS, PRESETS, TARGETS
+
+CASES = [(p, f, t) for p in PRESETS for f in FORMATS for t in TARGETS]
+
+
+def _config(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _file_bytes(d: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the rank, read by safetensors itself, as bytes."""
+    m = json.loads((d / "atom_manifest.json").read_text())
+    out = {}
+    for name, e in m["tensors"].items():
+        with safe_open(str(d / e["rank_files"][rank]), framework="pt", device="cpu") as h:
+            out[name] = _bytes(h.get_tensor(name))
+    return out
+
+
+def _live(model: nn.Module, name: str) -> torch.Tensor:
+    mod, _, attr = name.rpartition(".")
+    m = model.get_submodule(mod)
+    return m._parameters[attr] if attr in m._parameters else getattr(m, attr)
+
+
+@pytest.mark.parametrize("preset,fmt,target", CASES, ids=["-".join(c) for c in CASES])
+def test_spec_tree_filled_exactly(converted, preset, fmt, target):
+    """Items 4-8 and 10 on every preset, format and target, both ranks of tp=2, meta-built trees."""
+    d = converted(preset, fmt, target, tp=2)
+    cfg = _config(d)
+    T.PWALCounter.calls = 0
+    for rank in range(2):
+        model = T.build(cfg, tp=2, fmt=fmt, target=target, meta=True)
+        spec_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+        stats = atom_convert.load_into(model, d, rank=rank, target=target, parallel={"tp_size": 2})
+        files = _file_bytes(d, rank)
+        # item 4: every live Parameter filled (none left on meta), with the spec's shape and dtype (item 5)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            assert p.device.type == "cpu", n
+            assert (tuple(p.shape), p.dtype) == spec_params[n], n
+        # item 5: the very bytes of the file, reinterpreted (fp8 stays fp8 of the target's kind)
+        for n, raw in files.items():
+            assert torch.equal(_bytes(_live(model, n)), raw), n
+        fp8 = T.FP8[target]
+        if fmt == "fp8":
+            assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == fp8
+        # item 6: is_shuffled exactly where the spec says PWAL shuffles
+        for n, p in model.named_parameters(remove_duplicate=False):
+            assert getattr(p, "is_shuffled", False) == T.shuffled_by_spec(n, fmt), n
+        assert getattr(model.model.layers[-1].mlp.experts.w13_weight, "is_shuffled", False)
+        if fmt == "fp8":
+            assert model.model.layers[0].self_attn.kv_b_proj.weight.is_shuffled
+        # item 7: one Parameter object under both names (the meta build had split them)
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer.mlp, "gate") and "e_score_correction_bias" in layer.mlp.gate._parameters:
+                assert layer.mlp.experts.e_score_correction_bias is layer.mlp.gate.e_score_correction_bias, i
+        # item 8: the MLA operands on the native owner, W_K [Nr, L, P], W_V [Nr, V, L], 0-dim fp32 scales
+        nr = cfg["num_attention_heads"] // 2
+        for layer in model.model.layers:
+            impl = layer.self_attn.mla_attn.impl
+            assert tuple(impl.W_K.shape) == (nr, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"])
+            assert tuple(impl.W_V.shape) == (nr, cfg["v_head_dim"], cfg["kv_lora_rank"])
+            assert impl.W_K_scale.dim() == 0 and impl.W_K_scale.dtype == torch.float32
+            assert impl.W_V_scale.dim() == 0 and impl.W_V_scale.dtype == torch.float32
+            assert not isinstance(impl.W_K, nn.Parameter)
+        assert stats.bytes == sum(t.numel() for t in files.values())
+        assert stats.tensors == len(files)
+    # item 10: no process_weights_after_loading ran, neither a module's nor a quant_method's
+    assert T.PWALCounter.calls == 0
+
+
+def test_cpu_load_maps_without_copying(converted):
+    """Tensors at a 16-byte aligned file offset are views of one copy-on-write mapping of their file;
+    only the others are copied (their count is what `copied_bytes` reports)."""
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    model = T.build(_config(d), tp=2, meta=True)
+    stats = atom_convert.load_into(model, d, rank=1)
+    m = json.loads((d / "atom_manifest.json").read_text())
+    f = d / m["tensors"]["lm_head.weight"]["rank_files"][1]
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = {k: v for k, v in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
+    aligned = [k for k, v in header.items() if (8 + n + v["data_offsets"][0]) % 16 == 0]
+    unaligned = [k for k in header if k not in aligned]
+    assert aligned and unaligned
+    ptrs = {_live(model, k).untyped_storage().data_ptr() for k in aligned}
+    assert len(ptrs) == 1  # one mapping
+    assert all(_live(model, k).untyped_storage().data_ptr() not in ptrs for k in unaligned)
+    assert stats.copied_bytes == sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                                     if k in unaligned)
+    t = _live(model, aligned[-1])
+    t.data.reshape(-1).view(torch.uint8)[0] ^= 0xFF  # copy-on-write: the file is untouched
+    assert f.read_bytes() == raw
+
+
+def test_mtp_drafter(converted):
+    """Item 14: the drafter's own set into its own tree; MLA operands on mtp_block's owner."""
+    d = converted("tiny-deepseek-v3", "fp8", "gfx942", tp=2)
+    cfg = _config(d)
+    n = cfg["num_hidden_layers"]
+    drafter = T.build_mtp(cfg, tp=2, target="gfx942")
+    atom_convert.load_into(drafter, d / "mtp", rank=0, target="gfx942")
+    files = _file_bytes(d / "mtp", 0)
+    for name, raw in files.items():
+        assert torch.equal(_bytes(_live(drafter, name)), raw), name
+    blk = drafter.model.layers.get_submodule(str(n)).mtp_block
+    assert blk.self_attn.mla_attn.impl.W_K.dtype == torch.float8_e4m3fnuz
+    assert blk.mlp.experts.e_score_correction_bias is blk.mlp.gate.e_score_correction_bias
+    assert blk.self_attn.kv_b_proj.weight.is_shuffled
+
+
+def test_existing_parameters_are_replaced_and_marked(converted):
+    """A model built with real (random) CPU Parameters: every one ends up holding the file's bytes."""
+    d = converted("tiny-kimi-k2", "fp8", "gfx950", tp=1)
+    model = T.build(_config(d), tp=1, meta=False)
+    atom_convert.load_into(model, d, rank=0)
+    for name, raw in _file_bytes(d, 0).items():
+        assert torch.equal(_bytes(_live(model, name)), raw), name
+
+
+def test_every_mismatch_reported_at_once(converted):
+    """Item 4: a missing live parameter, an unexpected manifest tensor and a wrong dtype, one error."""
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    model = T.build(_config(d), tp=2, meta=True)
+    layer = model.model.layers[0]
+    del layer.self_attn.o_proj._parameters["weight_scale"]  # manifest tensor with no live place
+    layer.self_attn.register_parameter("extra", nn.Parameter(torch.empty(3, device="meta"), requires_grad=False))
+    layer.mlp.down_proj._parameters["weight"] = nn.Parameter(
+        torch.empty(layer.mlp.down_proj.weight.shape, dtype=torch.bfloat16, device="meta"), requires_grad=False)
+    with pytest.raises(LoadMismatchError) as ei:
+        atom_convert.load_into(model, d, rank=0)
+    msg = str(ei.value)
+    assert "3 problem(s)" in msg
+    assert "unexpected: model.layers.0.self_attn.o_proj.weight_scale" in msg
+    assert "missing: live Parameter model.layers.0.self_attn.extra" in msg
+    assert "wrong shape or dtype: model.layers.0.mlp.down_proj.weight" in msg and "torch.bfloat16" in msg
+    assert ei.value.exit_code == 2
+
+
+def test_tree_for_another_tp_refused(converted):
+    d = converted("tiny-deepseek-v3", "bf16", "gfx950", tp=2)
+    model = T.build(_config(d), tp=1, fmt="bf16", meta=True)
+    with pytest.raises(LoadMismatchError, match="wrong shape or dtype: model.embed_tokens.weight"):
+        atom_convert.load_into(model, d, rank=0)
+
+
+@pytest.mark.parametrize("declared,field", [
+    ({"target": "gfx942"}, "target: manifest 'gfx950', declared 'gfx942'"),
+    ({"parallel": {"tp_size": 4}}, "parallel.tp_size: manifest 2, declared 4"),
+    ({"parallel": {"enable_expert_parallel": True}}, "parallel.enable_expert_parallel"),
+    ({"atom_revision": "0123456789"}, "layout.atom_revision"),
+])
+def test_manifest_mismatch_refused(converted, declared, field):
+    """Item 1: each differing field named; nothing is loaded."""
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    model = T.build(_config(d), tp=2, meta=True)
+    with pytest.raises(ManifestMismatchError) as ei:
+        atom_convert.load_into(model, d, rank=0, **declared)
+    assert field in str(ei.value)
+    assert model.model.embed_tokens.weight.device.type == "meta"
+
+
+def test_flag_mismatches_all_named(converted):
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    flags = dict(rank_view(d, 0).flags)
+    atom_convert.load_into(T.build(_config(d), tp=2), d, rank=0, flags=flags)  # the recorded flags pass
+    flags["ATOM_FUSE_SHARED_EXPERT"] = 0
+    flags["ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE"] = 0
+    with pytest.raises(ManifestMismatchError) as ei:
+        atom_convert.load_into(T.build(_config(d), tp=2), d, rank=0, flags=flags, target="gfx942")
+    msg = str(ei.value)
+    assert "3 difference(s)" in msg
+    assert "layout.flags.ATOM_FUSE_SHARED_EXPERT: manifest 1, declared 0" in msg
+    assert "layout.flags.ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE" in msg and "target" in msg
+
+
+def test_truncated_shard_named(converted, tmp_path):
+    src = converted("tiny-deepseek-v2-lite", "bf16", "gfx950")
+    d = tmp_path / "c"
+    shutil.copytree(src, d)
+    f = sorted(d.glob("*.safetensors"))[0]
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 100)
+    with pytest.raises(atom_convert.BadInputError, match=f"{f.name}.*truncated"):
+        atom_convert.load_into(T.build(_config(d), fmt="bf16"), d, rank=0)
+
+
+def test_reference_forward_through_the_loader(converted, tiny_checkpoint):
+    """The reference forward over spec trees filled by load_into equals the one over the files, and
+    verify through the loader passes against transformers' model of the source."""
+    d = converted("tiny-deepseek-v2", "fp8", "gfx942", tp=2)
+    cfg = _config(d)
+    ranks = []
+    for r in range(2):
+        model = T.build(cfg, tp=2, fmt="fp8", target="gfx942")
+        atom_convert.load_into(model, d, rank=r)
+        ranks.append(LoadedRank(model, d, r))
+    ids = torch.randint(0, cfg["vocab_size"], (6,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ConvertedModel(d, ranks=ranks).forward(ids), ConvertedModel(d).forward(ids))
+    r = verify(d, tiny_checkpoint("tiny-deepseek-v2", "fp8"), tokens=6, through_loader=True)
+    assert r.ok, r.failures
