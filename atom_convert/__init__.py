@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from .convert import convert  # noqa: E402
 from .errors import AtomConvertError, BadInputError  # noqa: E402
 from .load import LoadStats, load_into  # noqa: E402
+from .cache import ensure_converted  # noqa: E402
 from .reader import ConvertedCheckpoint, open_converted  # noqa: E402
 
-__all__ = ["convert", "open_converted", "load_into", "LoadStats", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]
+__all__ = ["convert", "open_converted", "load_into", "LoadStats", "ensure_converted", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]

@@ -38,6 +38,7 @@ from .parallel import Parallel
 from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
 from .profile import get_profile
 from .quant.formats import TARGETS
+from .remote_code import remote_code_files
 from .source import SourceCheckpoint
 from .writer import ShardSetWriter, WrittenFile, _IOThread
 
@@ -179,10 +180,12 @@ def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progres
 
 
 def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
-    """Config, generation config and tokenizer files, with their sizes and hashes."""
+    """Config, generation config and tokenizer files, and the Python files their `auto_map`s load
+    with trust_remote_code (remote_code.py), with their sizes and hashes."""
+    code, _ = remote_code_files(src)
     copied = {}
     for p in sorted(src.iterdir()):
-        if p.is_file() and (p.name in COPY_FILES or p.name.endswith(COPY_SUFFIXES)):
+        if p.is_file() and (p.name in COPY_FILES or p.name.endswith(COPY_SUFFIXES) or p.name in code):
             shutil.copy2(p, dst / p.name)
             copied[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return copied

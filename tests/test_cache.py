@@ -1,0 +1,241 @@
+"""`ensure_converted`: one conversion for concurrent callers, takeover of a dead converter, rebuild
+of a stale cache, no tensor data read for a current one; and remote-code files carried into DST."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import atom_convert
+from atom_convert.cache import cache_path, ensure_converted
+from atom_convert.check import check_files
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET = "tiny-deepseek-v2-lite"  # the smallest fixture: conversions here take a fraction of a second
+
+# A child process: waits for GO, then calls ensure_converted with `convert` wrapped to log each
+# conversion (pid) and, for the converter to be killed, to stop inside the conversion (the shards
+# written, the manifest not yet) until it is killed.
+CHILD = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import atom_convert.cache as cache
+    import atom_convert.cache as _c
+    conv = sys.modules["atom_convert.convert"]  # the package attribute of that name is the function
+    src, cache_dir, log, go, mode = sys.argv[1:6]
+    real = cache.convert
+    def logged(*a, **k):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        if mode == "stall":
+            real_write = conv.write_manifest
+            def stall(path, manifest):
+                if path.parent.name != "mtp":
+                    Path(log + ".stalled").write_text(str(os.getpid()))
+                    time.sleep(600)
+                real_write(path, manifest)
+            conv.write_manifest = stall
+        return real(*a, **k)
+    cache.convert = logged
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    dst = cache.ensure_converted(src, cache_dir, target="gfx942", tp=2)
+    print(json.dumps({"dst": str(dst), "manifest": (dst / "atom_manifest.json").read_text()}), flush=True)
+''')
+
+
+def _spawn(tmp: Path, src: Path, cache_dir: Path, mode: str = "plain") -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(cache_dir), str(tmp / "log"), str(tmp / "go"), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _conversions(tmp: Path) -> list[str]:
+    p = tmp / "log"
+    return p.read_text().split() if p.exists() else []
+
+
+@pytest.fixture
+def src(tiny_checkpoint, tmp_path: Path) -> Path:
+    d = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint(PRESET, "bf16"), d)
+    return d
+
+
+def test_four_processes_convert_once(src: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    procs = [_spawn(tmp_path, src, cache_dir) for _ in range(4)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    (tmp_path / "go").touch()  # all four start together
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert len(_conversions(tmp_path)) == 1
+    assert len({o["dst"] for o in outs}) == 1 and len({o["manifest"] for o in outs}) == 1
+    dst = Path(outs[0]["dst"])
+    assert check_files(dst).ok
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([dst.name, dst.name + ".cache.json", f".{dst.name}.lock"])
+
+
+def test_killed_converter_taken_over(src: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    first = _spawn(tmp_path, src, cache_dir, mode="stall")
+    assert first.stdout.readline().strip() == "ready"
+    (tmp_path / "go").touch()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "log.stalled").exists():  # inside the conversion, holding the lock
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+        time.sleep(0.05)
+    second = _spawn(tmp_path, src, cache_dir)
+    assert second.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    assert second.poll() is None  # waiting on the lock
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    out, err = second.communicate(timeout=240)
+    assert second.returncode == 0, err
+    assert len(_conversions(tmp_path)) == 2  # the dead one, then the taker-over
+    dst = Path(json.loads(out.strip().splitlines()[-1])["dst"])
+    assert check_files(dst).ok
+    assert not [p for p in cache_dir.iterdir() if p.is_dir() and p != dst]  # the dead one's staging removed
+
+
+def test_current_found_from_headers_only(src: Path, tmp_path: Path, monkeypatch) -> None:
+    cache_dir = tmp_path / "cache"
+    calls: list[int] = []
+    real = atom_convert.cache.convert
+    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dst = ensure_converted(src, cache_dir, target="gfx950", tp=1)
+    assert calls == [1] and check_files(dst).ok
+    # current: found again without converting, also when every tensor byte of the source is gone
+    # (the files keep their size and header): the fingerprint reads headers, never tensor data
+    for f in src.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        f.write_bytes(raw[:8 + n])
+        os.truncate(f, len(raw))
+    assert ensure_converted(src, cache_dir, target="gfx950", tp=1) == dst
+    assert calls == [1]
+    # other options: another directory, converted
+    other = ensure_converted(src, cache_dir, target="gfx950", tp=1, mtp=False, shard_size="1MB")
+    assert other != dst and calls == [1, 1]
+
+
+def test_stale_cache_rebuilt(src: Path, tmp_path: Path, monkeypatch) -> None:
+    cache_dir = tmp_path / "cache"
+    calls: list[int] = []
+    real = atom_convert.cache.convert
+    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dst = ensure_converted(src, cache_dir)
+    before = json.loads((dst / "atom_manifest.json").read_text())["source"]["config_sha256"]
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert ensure_converted(src, cache_dir) == dst
+    assert calls == [1, 1]
+    after = json.loads((dst / "atom_manifest.json").read_text())
+    assert after["source"]["config_sha256"] != before
+    assert json.loads((dst / "config.json").read_text())["rms_norm_eps"] == 1e-5
+    # a cache entry with a file gone is not current either
+    next(dst.glob("*.safetensors")).unlink()
+    ensure_converted(src, cache_dir)
+    assert calls == [1, 1, 1] and check_files(dst).ok
+
+
+def test_fetch_step_used_before_converting(src: Path, tmp_path: Path, monkeypatch) -> None:
+    """The hook the Hub cache plugs into: a fetcher that places a directory means no conversion."""
+    ready = tmp_path / "made-elsewhere"
+    atom_convert.convert(src, ready, target="gfx950", tp=1)
+    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: pytest.fail("converted despite fetch"))
+    seen = []
+
+    def fetch(dst: Path, record: dict) -> bool:
+        seen.append(record["options"]["target"])
+        shutil.copytree(ready, dst)
+        return True
+
+    dst = ensure_converted(src, tmp_path / "cache", fetch=fetch)
+    assert seen == ["gfx950"] and check_files(dst).ok
+    assert ensure_converted(src, tmp_path / "cache", fetch=fetch) == dst and seen == ["gfx950"]
+
+
+def test_lock_timeout_names_the_holder(src: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    dst, _ = cache_path(src, tmp_path / "cache")
+    dst.parent.mkdir(parents=True)
+    lock = dst.with_name(f".{dst.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.write(fd, b'{"pid": 4242}')
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        # the lock is per open file: a second open in this process contends like another process
+        with pytest.raises(atom_convert.BadInputError, match="4242"):
+            ensure_converted(src, tmp_path / "cache", timeout=0.5)
+    finally:
+        os.close(fd)
+
+
+def test_remote_code_carried(tiny_checkpoint, tmp_path: Path) -> None:
+    """A Kimi-K2-like source whose config and tokenizer need trust_remote_code loads from DST."""
+    transformers = pytest.importorskip("transformers")
+    src = tmp_path / "kimi"
+    shutil.copytree(tiny_checkpoint("tiny-kimi-k2", "bf16"), src)
+    (src / "configuration_kimi.py").write_text(textwrap.dedent('''
+        from transformers import PretrainedConfig
+        class KimiK2TestConfig(PretrainedConfig):
+            model_type = "kimi_k2"
+            def __init__(self, hidden_size=1, **kwargs):
+                self.hidden_size = hidden_size
+                super().__init__(**kwargs)
+    '''))
+    (src / "tokenization_kimi.py").write_text(textwrap.dedent('''
+        from transformers import PreTrainedTokenizer
+        from .kimi_vocab import VOCAB
+        class KimiTestTokenizer(PreTrainedTokenizer):
+            vocab_files_names = {}
+            def __init__(self, **kwargs):
+                self._v = dict(VOCAB)
+                super().__init__(**kwargs)
+            @property
+            def vocab_size(self):
+                return len(self._v)
+            def get_vocab(self):
+                return dict(self._v)
+            def _tokenize(self, text):
+                return list(text)
+            def _convert_token_to_id(self, t):
+                return self._v.get(t, 0)
+            def _convert_id_to_token(self, i):
+                return {v: k for k, v in self._v.items()}.get(i, "?")
+    '''))
+    (src / "kimi_vocab.py").write_text("VOCAB = {'?': 0, 'a': 1, 'b': 2, 'c': 3}\n")  # a sibling import
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_kimi.KimiK2TestConfig"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.KimiTestTokenizer", None]},
+         "tokenizer_class": "KimiTestTokenizer"}))
+    dst = tmp_path / "dst"
+    atom_convert.convert(src, dst, target="gfx950")
+    assert {"configuration_kimi.py", "tokenization_kimi.py", "kimi_vocab.py"} <= set(os.listdir(dst))
+    assert check_files(dst).ok  # carried files are listed (size, sha256) in the manifest
+    shutil.rmtree(src)  # DST alone
+    c = transformers.AutoConfig.from_pretrained(dst, trust_remote_code=True)
+    assert type(c).__name__ == "KimiK2TestConfig" and c.hidden_size == cfg["hidden_size"]
+    tok = transformers.AutoTokenizer.from_pretrained(dst, trust_remote_code=True)
+    assert type(tok).__name__ == "KimiTestTokenizer"
+    assert tok("abc", add_special_tokens=False)["input_ids"] == [1, 2, 3]
