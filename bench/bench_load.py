@@ -166,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "python": platform.python_version()},
         "setup": {"experts": experts, "vocab": vocab, "target": args.target, "tp": args.tp, "rank": args.rank},
     }
+    out_path = args.out or REPO / "bench" / "results" / f"{_dt.datetime.now():%Y%m%d-%H%M%S}-load.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every phase, so that a run cut short still leaves its numbers
+        out_path.write_text(json.dumps(report, indent=1, default=str))
+
     t0 = time.perf_counter()
     if not (src / "model.safetensors.index.json").exists():
         build_random(cfg, src, fmt="fp8", seed=0, shard_bytes=4 * 1000**3)
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil["disk_read_cold_gb_s"] = max(ceil["disk_read_cold_1thread_gb_s"], ceil["disk_read_cold_8threads_gb_s"])
     ceil["page_cache_read_warm_8threads_gb_s"] = round(rank_bytes / read_files(files, 8) / GB, 2)
     report["ceilings"] = ceil
+    save()
     print("ceilings", ceil, flush=True)
 
     view = rank_view(dst, args.rank)
@@ -251,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"{name}/{state}"] = {"seconds": round(sec, 4), "bytes": nb, "gb_s": round(nb / sec / GB, 2),
                                        "cache": how}
             print(f"{name:22s} {state}: {sec:7.3f} s  {nb / sec / GB:6.2f} GB/s", flush=True)
+            report["runs"] = runs
+            save()
             if state == "warm" and name in ("a_load_into", "c_atom_standin"):
                 kept[name] = out
             del out
@@ -282,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     report["checks"] = {"a_tensors": len(a), "a_bytes_wrong": bad, "c_tensors": len(c), "c_equal_to_a": len(same),
                         "c_differs_from_a": sorted(set(a) - set(same))}
     print("checks", {k: (v if not isinstance(v, list) else v[:20]) for k, v in report["checks"].items()}, flush=True)
+    save()
 
     # verify through the loader on the GPU (tiny checkpoint, tp 2)
     from atom_convert.synth import build_tiny
@@ -296,10 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     report["verify_tiny_cuda_through_loader"] = {"ok": r.ok, "failures": r.failures, "rows": r.rows}
     print("verify tiny (cuda, through loader):", "OK" if r.ok else r.failures, flush=True)
 
-    out = args.out or REPO / "bench" / "results" / f"{_dt.datetime.now():%Y%m%d-%H%M%S}-load.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    print("wrote", out)
+    save()
+    print("wrote", out_path)
     return 0 if not bad and r.ok else 1
 
 

@@ -226,3 +226,52 @@ def test_reference_forward_through_the_loader(converted, tiny_checkpoint):
     assert torch.equal(ConvertedModel(d, ranks=ranks).forward(ids), ConvertedModel(d).forward(ids))
     r = verify(d, tiny_checkpoint("tiny-deepseek-v2", "fp8"), tokens=6, through_loader=True)
     assert r.ok, r.failures
+
+
+class _FakeCuda:
+    """Stand-ins for the CUDA stream/event calls of transfer.place_cuda, so that its chunking (pieces
+    of many tensors per chunk, tensors spanning chunks, several files and threads) runs on a CPU."""
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    @staticmethod
+    def device(d):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    stream = device
+
+
+@pytest.mark.parametrize("threads,chunk", [(1, 4096), (3, 1000), (4, 1 << 20)])
+def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk):
+    """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
+    to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned)."""
+    from atom_convert import transfer
+    from atom_convert.transfer import FileRead, TensorSlot, read_header
+
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
+    monkeypatch.setattr(transfer, "_pinned", lambda count, size: [torch.empty(size, dtype=torch.uint8) for _ in range(count)])
+    view = rank_view(d, 1)
+    slots = {n: TensorSlot(n, r.dtype, r.shape) for n, r in view.tensors.items()}
+    by_file: dict[str, list] = {}
+    for n, r in view.tensors.items():
+        by_file.setdefault(r.file, []).append(slots[n])
+    reads = [FileRead(d / f, read_header(d / f), ss) for f, ss in by_file.items()]
+    transfer._place_cuda(reads, torch.device("cpu"), threads=threads, chunk_bytes=chunk)
+    files = _file_bytes(d, 1)
+    for n, s in slots.items():
+        assert torch.equal(_bytes(s.tensor), files[n]), n
