@@ -108,15 +108,34 @@ def rank_view(path: str | os.PathLike[str], rank: int) -> RankView:
                     atom_revision=layout.get("atom_revision", ""), manifest=m)
 
 
+def in_profile(view: RankView, profile: str) -> RankView:
+    """The view with its names in another runtime profile: the same bytes under other module paths
+    (a prefix, the MLA owner; plugin spec §0: plugin mode holds the native bytes). Keys are the live
+    names; each TensorRef keeps the name its file uses."""
+    if profile == view.profile:
+        return view
+    src, dst = get_profile(view.profile), get_profile(profile)
+
+    def rename(name: str) -> str:
+        native = name[len(src.prefix):] if src.prefix and name.startswith(src.prefix) else name
+        mod, attr = _split(native)
+        if attr in MLA_ATTRS and (mod == src.mla_owner or mod.endswith("." + src.mla_owner)):
+            mod = mod[: len(mod) - len(src.mla_owner)] + dst.mla_owner
+        return dst.tensor(f"{mod}.{attr}" if mod else attr)
+
+    return RankView(path=view.path, rank=view.rank, tensors={rename(k): v for k, v in view.tensors.items()},
+                    aliases={rename(a): rename(t) for a, t in view.aliases.items()}, target=view.target,
+                    flags=view.flags, parallel=view.parallel, profile=profile, atom_revision=view.atom_revision,
+                    manifest=view.manifest)
+
+
 def manifest_differences(view: RankView, *, target: str | None = None, flags: Mapping[str, Any] | None = None,
                          parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None,
-                         profile: str | None = None) -> list[str]:
+                         ) -> list[str]:
     """Every field where the files differ from what the caller declares (None: not declared)."""
     diffs = []
     if target is not None and target != view.target:
         diffs.append(f"target: manifest {view.target!r}, declared {target!r}")
-    if profile is not None and profile != view.profile:
-        diffs.append(f"layout.profile: manifest {view.profile!r}, declared {profile!r}")
     if atom_revision is not None and not (atom_revision.startswith(view.atom_revision) or view.atom_revision.startswith(atom_revision)):
         diffs.append(f"layout.atom_revision: manifest {view.atom_revision!r}, declared {atom_revision!r}")
     if flags is not None:
@@ -142,7 +161,7 @@ class LoadStats:
     tensors: int
     files: int
     device: str
-    method: str  # "mmap" (CPU) or "pinned-streams" (GPU)
+    method: str  # "mmap" (CPU) or "pinned-<reader>" (GPU)
     copied_bytes: int = 0  # CPU: bytes copied rather than mapped (misaligned tensors)
 
     @property
@@ -173,25 +192,25 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
     bindings: list[_Binding] = []
     where = view.path / MANIFEST_NAME
     live = dict(model.named_parameters(remove_duplicate=False))
-    for ref in view.tensors.values():
-        modpath, attr = _split(ref.name)
+    for live_name, ref in view.tensors.items():
+        modpath, attr = _split(live_name)
         try:
             module = model.get_submodule(modpath) if modpath else model
         except AttributeError:
-            problems.append(f"unexpected: {ref.name} (in {where}, rank {view.rank} file {ref.file}) has no module "
+            problems.append(f"unexpected: {live_name} (in {where}, rank {view.rank} file {ref.file}) has no module "
                             f"{modpath!r} in the live model")
             continue
         if attr in MLA_ATTRS and (modpath == mla_owner or modpath.endswith("." + mla_owner)):
             bindings.append(_Binding(ref, module, attr, is_param=False))
             continue
         if attr not in module._parameters or module._parameters[attr] is None:
-            problems.append(f"unexpected: {ref.name} (in {where}, rank {view.rank} file {ref.file}) has no live "
+            problems.append(f"unexpected: {live_name} (in {where}, rank {view.rank} file {ref.file}) has no live "
                             f"Parameter; module {modpath!r} ({type(module).__name__}) registers "
                             f"{sorted(k for k, v in module._parameters.items() if v is not None) or 'none'}")
             continue
-        p = live.get(ref.name, module._parameters[attr])
+        p = live.get(live_name, module._parameters[attr])
         if tuple(p.shape) != ref.shape or p.dtype != ref.dtype:
-            problems.append(f"wrong shape or dtype: {ref.name}: live Parameter {p.dtype} {list(p.shape)}, files "
+            problems.append(f"wrong shape or dtype: {live_name}: live Parameter {p.dtype} {list(p.shape)}, files "
                             f"{ref.dtype} {list(ref.shape)} (in {where}, rank {view.rank})")
             continue
         bindings.append(_Binding(ref, module, attr, is_param=True))
@@ -222,7 +241,7 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
 def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: str | torch.device = "cpu",
               profile: str = "atom", target: str | None = None, flags: Mapping[str, Any] | None = None,
               parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None,
-              threads: int | None = None, chunk_bytes: int | None = None) -> LoadStats:
+              threads: int | None = None, chunk_bytes: int | None = None, reader: str | None = None) -> LoadStats:
     """Fill `model`'s parameters and post-load attributes from rank `rank` of a converted directory.
 
     Args:
@@ -234,7 +253,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         profile: the runtime naming profile the model follows ("atom").
         target, flags, parallel, atom_revision: what the live runtime is; each one given must equal
             the manifest's, else `ManifestMismatchError` names every difference.
-        threads, chunk_bytes: the GPU path's reader threads and chunk size (defaults in transfer.py).
+        threads, chunk_bytes, reader: the GPU path's reader threads, chunk size and how chunks reach
+            pinned memory (defaults in transfer.py; also ATOM_CONVERT_LOAD_THREADS/_CHUNK/_READER).
 
     Returns:
         LoadStats: bytes placed, seconds, GB/s, tensors, files.
@@ -248,8 +268,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         dev = torch.device("cuda", torch.cuda.current_device())
     prof = get_profile(profile)
     view = rank_view(path, rank)
-    diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision,
-                                 profile=profile)
+    diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision)
     if diffs:
         raise ManifestMismatchError(
             f"{view.path / MANIFEST_NAME}: the converted files do not match this runtime "
@@ -257,6 +276,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
             + "\nConvert again with these settings (atom-convert convert --target/--tp, or ensure_converted), "
               "or start the runtime with the settings the manifest records."
         )
+    view = in_profile(view, prof.name)
     bindings = _bind(model, view, prof.mla_owner)
 
     # Destinations: an existing Parameter on the device with the same shape, dtype and a dense layout
@@ -274,7 +294,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     if dev.type == "cpu":
         copied, method = place_cpu(reads), "mmap"
     elif dev.type == "cuda":
-        method = place_cuda(reads, dev, threads=threads, chunk_bytes=chunk_bytes)
+        method = "pinned-" + place_cuda(reads, dev, threads=threads, chunk_bytes=chunk_bytes, reader=reader)
     else:
         raise BadInputError(f"load_into: device {dev} is not supported; use 'cpu' or 'cuda[:N]'")
 
@@ -322,8 +342,8 @@ def module_tree(view: RankView) -> nn.Module:
         return m
 
     prof = get_profile(view.profile)
-    for ref in view.tensors.values():
-        modpath, attr = _split(ref.name)
+    for live_name, ref in view.tensors.items():
+        modpath, attr = _split(live_name)
         m = module(modpath)
         if attr in MLA_ATTRS and (modpath == prof.mla_owner or modpath.endswith("." + prof.mla_owner)):
             continue

@@ -30,12 +30,21 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import BadInputError
 
 DEFAULT_THREADS = 8
+PAGE = 4096
+# How a chunk reaches page-locked memory: "pread" into pinned buffers (os.preadv), "mmap" (memcpy
+# from a read-only mapping into pinned buffers), "register" (cudaHostRegister of the mapping's chunk,
+# then DMA straight from the page cache). Chosen by bench/bench_load.py (BENCHMARKS.md).
+READERS = ("pread", "mmap", "register")
+DEFAULT_READER = "pread"
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_READ
 # A CPU tensor is a view of the mapping only when its file offset is a multiple of this: consumers
 # reinterpret rows as 16-byte units (shuffle16, SIMD loads), which a misaligned view refuses. The
 # writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
@@ -165,18 +174,23 @@ def _pinned(count: int, chunk: int) -> list[torch.Tensor]:
 
 
 def place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None = None,
-               chunk_bytes: int | None = None) -> str:
+               chunk_bytes: int | None = None, reader: str | None = None) -> str:
+    """Returns the reader used."""
     with _run_lock:  # the pinned pool is shared: one GPU load at a time per process
-        return _place_cuda(reads, device, threads=threads, chunk_bytes=chunk_bytes)
+        return _place_cuda(reads, device, threads=threads, chunk_bytes=chunk_bytes, reader=reader)
 
 
 _run_lock = threading.Lock()
 
 
 def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None,
-                chunk_bytes: int | None) -> str:
+                chunk_bytes: int | None, reader: str | None = None) -> str:
     threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
     chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
+    reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
+    if reader not in READERS:
+        raise BadInputError(f"load reader {reader!r} is not one of {', '.join(READERS)} (ATOM_CONVERT_LOAD_READER)")
+    chunk = max(PAGE, chunk // PAGE * PAGE)
     # Destinations first, so that no allocation waits behind a copy.
     jobs: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, offset, length, pieces
     for fr in reads:
@@ -190,7 +204,8 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             else:
                 s.tensor = s.given
             spans.append((_as_bytes(s.tensor), off, off + s.nbytes))
-        lo, hi = spans[0][1], max(e for _, _, e in spans)
+        # chunks start on page boundaries (a registered range must cover whole pages)
+        lo, hi = spans[0][1] // PAGE * PAGE, max(e for _, _, e in spans)
         i = 0
         for a in range(lo, hi, chunk):
             b = min(a + chunk, hi)
@@ -204,22 +219,53 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 if x1 > x0:
                     pieces.append((dst[x0 - s0:x1 - s0], x0 - a, x1 - x0))
                 j += 1
-            jobs.append((fr.path, a, b - a, pieces))
+            if pieces:
+                jobs.append((fr.path, a, b - a, pieces))
     if not jobs:
-        return "pinned-streams"
+        return reader
     threads = max(1, min(threads, len(jobs)))
-    bufs = _pinned(2 * threads, chunk)
-    fds = {p: os.open(p, os.O_RDONLY) for p in {j[0] for j in jobs}}
-    for fd in fds.values():
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    bufs = _pinned(2 * threads, chunk) if reader != "register" else []
+    paths = sorted({j[0] for j in jobs})
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+    maps: dict[Path, Any] = {}
+    for p, fd in fds.items():
+        if reader == "pread":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        else:  # one read-only mapping per file; readahead of the whole file is asked for at once
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            mm.madvise(mmap.MADV_WILLNEED)
+            maps[p] = (mm, np.frombuffer(mm, dtype=np.uint8))
     next_job = iter(range(len(jobs)))
     lock = threading.Lock()
     errors: list[BaseException] = []
+    cudart = torch.cuda.cudart() if reader == "register" else None
+
+    def fill(w: int, slot: int, path: Path, off: int, n: int) -> torch.Tensor:
+        """The chunk's bytes in page-locked host memory."""
+        if reader == "register":
+            arr = maps[path][1][off:off + n]
+            ptr = arr.ctypes.data
+            err = cudart.cudaHostRegister(ptr, n, HOST_REGISTER_READ_ONLY)
+            if int(getattr(err, "value", err)) != 0:
+                raise RuntimeError(f"cudaHostRegister of {path} bytes {off}..{off + n} failed ({err})")
+            return torch.from_numpy(arr)  # read-only mapping: torch warns, but only reads are issued
+        buf = bufs[2 * w + slot]
+        if reader == "mmap":
+            np.copyto(buf.numpy()[:n], maps[path][1][off:off + n])
+            return buf
+        mv = memoryview(buf.numpy())[:n]
+        got = 0
+        while got < n:
+            r = os.preadv(fds[path], [mv[got:]], off + got)
+            if r <= 0:
+                raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
+            got += r
+        return buf
 
     def worker(w: int) -> None:
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
-            events = [None, None]
+            pending: list[Any] = [None, None]  # per buffer slot: (event, registered pointer or None)
             k = 0
             while not errors:
                 with lock:
@@ -228,24 +274,23 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                     break
                 path, off, n, pieces = jobs[idx]
                 slot = k % 2
-                if events[slot] is not None:
-                    events[slot].synchronize()  # the last copy out of this buffer is done
-                buf = bufs[2 * w + slot]
-                mv = memoryview(buf.numpy())[:n]
-                got = 0
-                while got < n:
-                    r = os.preadv(fds[path], [mv[got:]], off + got)
-                    if r <= 0:
-                        raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
-                    got += r
+                if pending[slot] is not None:
+                    ev, ptr = pending[slot]
+                    ev.synchronize()  # the last copy out of this buffer is done
+                    if ptr is not None:
+                        cudart.cudaHostUnregister(ptr)
+                src = fill(w, slot, path, off, n)
                 with torch.cuda.stream(stream):
                     for dst, at, length in pieces:
-                        dst.copy_(buf[at:at + length], non_blocking=True)
+                        dst.copy_(src[at:at + length], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
-                events[slot] = ev
+                pending[slot] = (ev, src.data_ptr() if reader == "register" else None)
                 k += 1
             stream.synchronize()
+            for p in pending:
+                if p is not None and p[1] is not None:
+                    cudart.cudaHostUnregister(p[1])
 
     def run(w: int) -> None:
         try:
@@ -260,8 +305,11 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
         for t in pool:
             t.join()
     finally:
+        for mm, arr in maps.values():
+            del arr
+        maps.clear()
         for fd in fds.values():
             os.close(fd)
     if errors:
         raise errors[0]
-    return "pinned-streams"
+    return reader

@@ -97,6 +97,38 @@ def read_files(files: list[Path], threads: int, chunk: int = 64 << 20) -> float:
     return time.perf_counter() - t0
 
 
+def memcpy_to_pinned(files: list[Path], threads: int, chunk: int = 64 << 20) -> float:
+    """Seconds to memcpy every byte of `files` (mapped, in the page cache) into pinned 64 MB buffers
+    on `threads` threads: the host-side ceiling of a pinned pipeline."""
+    import mmap
+
+    import numpy as np
+
+    maps = {p: np.frombuffer(mmap.mmap(os.open(p, os.O_RDONLY), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+            for p in files}
+    jobs = [(p, off) for p in files for off in range(0, p.stat().st_size, chunk)]
+    it, lock = iter(jobs), threading.Lock()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy() for _ in range(threads)]
+
+    def work(w: int) -> None:
+        while True:
+            with lock:
+                j = next(it, None)
+            if j is None:
+                break
+            p, off = j
+            src = maps[p][off:off + chunk]
+            np.copyto(bufs[w][:src.size], src)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def pinned_h2d(dev: torch.device, nbytes: int = 1 << 30) -> float:
     h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -143,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="8 experts, vocab 16384")
-    ap.add_argument("--sweep", default="4:32,8:32,16:32,8:64,16:64", help="warm (a) runs, threads:chunk_MB")
+    ap.add_argument("--sweep", default="pread:8:32,pread:16:64,mmap:8:32,mmap:16:32,mmap:16:64,register:8:32,"
+                    "register:16:64,register:16:128", help="warm (a) runs, reader:threads:chunk_MB")
+    ap.add_argument("--cold-readers", default="pread,mmap,register", help="cold (a) runs, one per reader")
+    ap.add_argument("--only", default="a,b,c,d", help="methods to time cold and warm (a, b, c, d)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -194,16 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     ceil["disk_read_cold_8threads_gb_s"] = round(rank_bytes / read_files(files, 8) / GB, 2)
     ceil["disk_read_cold_gb_s"] = max(ceil["disk_read_cold_1thread_gb_s"], ceil["disk_read_cold_8threads_gb_s"])
     ceil["page_cache_read_warm_8threads_gb_s"] = round(rank_bytes / read_files(files, 8) / GB, 2)
+    ceil["page_cache_memcpy_to_pinned_16threads_gb_s"] = round(rank_bytes / memcpy_to_pinned(files, 16) / GB, 2)
     report["ceilings"] = ceil
     save()
     print("ceilings", ceil, flush=True)
 
     view = rank_view(dst, args.rank)
 
-    def run_a(threads: int | None = None, chunk: int | None = None) -> dict[str, torch.Tensor]:
+    def run_a(threads: int | None = None, chunk: int | None = None, reader: str | None = None) -> dict[str, torch.Tensor]:
         tree = module_tree(view)
         atom_convert.load_into(tree, dst, rank=args.rank, device=dev, target=args.target, threads=threads,
-                               chunk_bytes=chunk)
+                               chunk_bytes=chunk, reader=reader)
         out = {}
         for n in view.tensors:
             mod, _, attr = n.rpartition(".")
@@ -245,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, Any] = {}
     kept: dict[str, dict[str, torch.Tensor]] = {}
+    only = set(args.only.split(","))
+    methods = {k: v for k, v in methods.items() if k[0] in only}
     for name, fn in methods.items():
         for state in ("cold", "warm"):
             how = drop_cache(src_files if name.startswith("c_") else files) if state == "cold" else "kept"
@@ -263,16 +301,36 @@ def main(argv: list[str] | None = None) -> int:
             if state == "warm" and name in ("a_load_into", "c_atom_standin"):
                 kept[name] = out
             del out
-    for spec in args.sweep.split(","):
-        th, mb = (int(x) for x in spec.split(":"))
+    for rd in [r for r in args.cold_readers.split(",") if r]:
+        how = drop_cache(files)
+        try:
+            sec, out = timed(dev, lambda: run_a(reader=rd))
+        except Exception as e:
+            runs[f"a_load_into/cold/{rd}"] = {"error": f"{type(e).__name__}: {e}"}
+            print("a cold", rd, "ERROR", e, flush=True)
+            continue
+        nb = tensor_bytes(out)
+        del out
+        runs[f"a_load_into/cold/{rd}"] = {"seconds": round(sec, 4), "gb_s": round(nb / sec / GB, 2), "cache": how}
+        print(f"a cold reader={rd}: {nb / sec / GB:6.2f} GB/s", flush=True)
+        save()
+    read_files(files, 8)  # warm again
+    for spec in [x for x in args.sweep.split(",") if x]:
+        rd, th, mb = spec.split(":")
         best = float("inf")
-        for _ in range(2):
-            sec, out = timed(dev, lambda: run_a(th, mb << 20))
-            best = min(best, sec)
-            nb = tensor_bytes(out)
-            del out
-        runs[f"a_load_into/warm/threads{th}-chunk{mb}MB"] = {"seconds": round(best, 4), "gb_s": round(nb / best / GB, 2)}
-        print(f"a warm threads={th} chunk={mb}MB: {nb / best / GB:6.2f} GB/s", flush=True)
+        try:
+            for _ in range(3):
+                sec, out = timed(dev, lambda: run_a(int(th), int(mb) << 20, rd))
+                best = min(best, sec)
+                nb = tensor_bytes(out)
+                del out
+        except Exception as e:
+            runs[f"a_load_into/warm/{spec}"] = {"error": f"{type(e).__name__}: {e}"}
+            print("a warm", spec, "ERROR", e, flush=True)
+            continue
+        runs[f"a_load_into/warm/{spec}"] = {"seconds": round(best, 4), "gb_s": round(nb / best / GB, 2)}
+        print(f"a warm {rd} threads={th} chunk={mb}MB (best of 3): {nb / best / GB:6.2f} GB/s", flush=True)
+        save()
     report["runs"] = runs
 
     # correctness: (a) against safetensors' own CPU read; (c) against (a)

@@ -255,8 +255,9 @@ class _FakeCuda:
     stream = device
 
 
-@pytest.mark.parametrize("threads,chunk", [(1, 4096), (3, 1000), (4, 1 << 20)])
-def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk):
+@pytest.mark.parametrize("threads,chunk,reader", [(1, 4096, "pread"), (3, 5000, "pread"), (4, 1 << 20, "pread"),
+                                                  (3, 8192, "mmap")])
+def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
     to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned)."""
     from atom_convert import transfer
@@ -271,7 +272,7 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
     for n, r in view.tensors.items():
         by_file.setdefault(r.file, []).append(slots[n])
     reads = [FileRead(d / f, read_header(d / f), ss) for f, ss in by_file.items()]
-    transfer._place_cuda(reads, torch.device("cpu"), threads=threads, chunk_bytes=chunk)
+    transfer._place_cuda(reads, torch.device("cpu"), threads=threads, chunk_bytes=chunk, reader=reader)
     files = _file_bytes(d, 1)
     for n, s in slots.items():
         assert torch.equal(_bytes(s.tensor), files[n]), n
