@@ -1,9 +1,9 @@
 """`load_into`: put one rank's converted tensors into a live module tree (spec atom-loading.md §8 A, §10).
 
 How it works:
-1. Read the manifest and take the rank's view of it (`RankView`: name -> file, runtime dtype, shape,
-   is_shuffled; aliases; target, layout flags, parallel layout, profile). This is the only place that
-   knows the manifest's shape, so a newer manifest format changes `rank_view` alone.
+1. Read the typed manifest and take the rank's view of it (`RankView`: name -> the file this rank reads
+   it from (its own or a common one), runtime dtype, shape, is_shuffled; aliases; profile); names are
+   renamed when the caller's profile differs from the files' (same bytes, other module paths).
 2. Compare what the caller declares (target, layout flags, parallel layout, ATOM revision, profile)
    with the manifest, and refuse naming every difference (§10 item 1).
 3. Bind every manifest tensor to a live place: a registered Parameter of the module its name names
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .errors import BadInputError
-from .manifest import MANIFEST_NAME, read_manifest
+from .manifest import MANIFEST_NAME, Manifest
 from .profile import get_profile
 from .transfer import FileRead, TensorSlot, place_cpu, place_cuda, read_header
 
@@ -73,10 +73,12 @@ class RankView:
     aliases: dict[str, str]  # alias name -> tensor name
     target: str
     flags: dict[str, Any]
-    parallel: dict[str, Any]
     profile: str
-    atom_revision: str
-    manifest: dict[str, Any] = field(repr=False)
+    typed: Manifest = field(repr=False)  # the whole manifest (parallel layout, raw JSON)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.typed.raw
 
 
 def _torch_dtype(name: str, where: str) -> torch.dtype:
@@ -88,24 +90,20 @@ def _torch_dtype(name: str, where: str) -> torch.dtype:
 
 
 def rank_view(path: str | os.PathLike[str], rank: int) -> RankView:
-    """The rank's view of a converted directory (or of its `mtp/` set)."""
+    """The rank's view of a converted directory (or of its `mtp/` set): its own and the common files."""
     path = Path(path)
-    m = read_manifest(path)
-    tp = int(m["tp_size"])
-    if not 0 <= rank < tp:
-        raise BadInputError(f"{path / MANIFEST_NAME}: rank {rank} out of range; the files were converted for tp={tp}")
+    m = Manifest.read(path)
+    world = m.parallel.world
+    if not 0 <= rank < world:
+        raise BadInputError(f"{path / MANIFEST_NAME}: rank {rank} out of range; the files were converted for "
+                            f"{world} ranks")
     tensors = {}
-    for name, e in m["tensors"].items():
+    for name, e in m.tensors.items():
         where = f"{path / MANIFEST_NAME}: tensor {name}"
-        tensors[name] = TensorRef(name=name, file=e["rank_files"][rank],
-                                  dtype=_torch_dtype(e.get("runtime_dtype") or e["dtype"], where),
-                                  shape=tuple(e["shape"]), is_shuffled=bool(e["is_shuffled"]))
-    layout = m["layout"]
-    flags = dict(layout.get("flags", {}))
-    parallel = dict(m.get("parallel") or {"tp_size": tp, "enable_expert_parallel": bool(flags.get("enable_expert_parallel"))})
-    return RankView(path=path, rank=rank, tensors=tensors, aliases=dict(m.get("aliases", {})), target=m["target"],
-                    flags=flags, parallel=parallel, profile=layout.get("profile", "atom"),
-                    atom_revision=layout.get("atom_revision", ""), manifest=m)
+        tensors[name] = TensorRef(name=name, file=e.file_for(rank), dtype=_torch_dtype(e.runtime_dtype or e.dtype, where),
+                                  shape=tuple(e.shape), is_shuffled=e.is_shuffled)
+    return RankView(path=path, rank=rank, tensors=tensors, aliases=dict(m.aliases), target=m.target, flags=dict(m.flags),
+                    profile=m.profile, typed=m)
 
 
 def in_profile(view: RankView, profile: str) -> RankView:
@@ -125,31 +123,22 @@ def in_profile(view: RankView, profile: str) -> RankView:
 
     return RankView(path=view.path, rank=view.rank, tensors={rename(k): v for k, v in view.tensors.items()},
                     aliases={rename(a): rename(t) for a, t in view.aliases.items()}, target=view.target,
-                    flags=view.flags, parallel=view.parallel, profile=profile, atom_revision=view.atom_revision,
-                    manifest=view.manifest)
+                    flags=view.flags, profile=profile, typed=view.typed)
 
 
 def manifest_differences(view: RankView, *, target: str | None = None, flags: Mapping[str, Any] | None = None,
-                         parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None,
-                         ) -> list[str]:
-    """Every field where the files differ from what the caller declares (None: not declared)."""
-    diffs = []
-    if target is not None and target != view.target:
-        diffs.append(f"target: manifest {view.target!r}, declared {target!r}")
-    if atom_revision is not None and not (atom_revision.startswith(view.atom_revision) or view.atom_revision.startswith(atom_revision)):
-        diffs.append(f"layout.atom_revision: manifest {view.atom_revision!r}, declared {atom_revision!r}")
+                         parallel: Mapping[str, Any] | None = None, atom_revision: str | None = None) -> list[str]:
+    """Every field where the files differ from what the caller declares (None: not declared), by the
+    manifest's own comparison (`Manifest.differences`: parallel keys tp, dp, ep, dp_attention,
+    expert_map, ... as in atom-parallel.md §5)."""
+    declared: dict[str, Any] = dict(parallel or {})
+    if target is not None:
+        declared["target"] = target
+    if atom_revision is not None:
+        declared["atom_revision"] = atom_revision
     if flags is not None:
-        for k in sorted(set(flags) | set(view.flags)):
-            if k == "tp_size":  # a parallel field, compared below
-                continue
-            if k not in flags or k not in view.flags or flags[k] != view.flags[k]:
-                diffs.append(f"layout.flags.{k}: manifest {view.flags.get(k, '(absent)')!r}, "
-                             f"declared {flags.get(k, '(absent)')!r}")
-    if parallel is not None:
-        for k in sorted(parallel):
-            if k not in view.parallel or parallel[k] != view.parallel[k]:
-                diffs.append(f"parallel.{k}: manifest {view.parallel.get(k, '(absent)')!r}, declared {parallel[k]!r}")
-    return diffs
+        declared["flags"] = {k: v for k, v in flags.items() if k != "tp_size"}
+    return view.typed.differences(view.rank, **declared)
 
 
 @dataclass
@@ -367,6 +356,7 @@ class LoadedRank:
         self._ck = ConvertedCheckpoint(path, rank)
         self.model, self.rank, self.path = model, rank, Path(path)
         self.manifest = self._ck.manifest
+        self.typed = self._ck.typed
 
     def __contains__(self, name: str) -> bool:
         return name in self._ck

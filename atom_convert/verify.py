@@ -151,7 +151,7 @@ def _through_loader(dst: Path, device: str) -> list[Any]:
     forward's ranks: the forward then computes with the tensors the loader placed."""
     from .load import LoadedRank, load_into, module_tree, rank_view
 
-    tp = int(rank_view(dst, 0).manifest["tp_size"])
+    tp = rank_view(dst, 0).typed.parallel.world
     ranks = []
     for r in range(tp):
         tree = module_tree(rank_view(dst, r))

@@ -318,17 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     for spec in [x for x in args.sweep.split(",") if x]:
         rd, th, mb = spec.split(":")
         best = float("inf")
+        wrong: list[str] = []
         try:
-            for _ in range(3):
+            for rep in range(3):
                 sec, out = timed(dev, lambda: run_a(int(th), int(mb) << 20, rd))
                 best = min(best, sec)
                 nb = tensor_bytes(out)
+                if rep == 0 and "a_load_into" in kept:  # every reader's bytes against the checked default run
+                    ref = kept["a_load_into"]
+                    wrong = [k for k in ref if not torch.equal(as_bytes(out[k]), as_bytes(ref[k]))]
                 del out
         except Exception as e:
             runs[f"a_load_into/warm/{spec}"] = {"error": f"{type(e).__name__}: {e}"}
             print("a warm", spec, "ERROR", e, flush=True)
             continue
-        runs[f"a_load_into/warm/{spec}"] = {"seconds": round(best, 4), "gb_s": round(nb / best / GB, 2)}
+        runs[f"a_load_into/warm/{spec}"] = {"seconds": round(best, 4), "gb_s": round(nb / best / GB, 2),
+                                            "tensors_differing_from_default_run": wrong}
         print(f"a warm {rd} threads={th} chunk={mb}MB (best of 3): {nb / best / GB:6.2f} GB/s", flush=True)
         save()
     report["runs"] = runs

@@ -59,7 +59,7 @@ def test_spec_tree_filled_exactly(converted, preset, fmt, target):
     for rank in range(2):
         model = T.build(cfg, tp=2, fmt=fmt, target=target, meta=True)
         spec_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
-        stats = atom_convert.load_into(model, d, rank=rank, target=target, parallel={"tp_size": 2})
+        stats = atom_convert.load_into(model, d, rank=rank, target=target, parallel={"tp": 2})
         files = _file_bytes(d, rank)
         # item 4: every live Parameter filled (none left on meta), with the spec's shape and dtype (item 5)
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -172,10 +172,10 @@ def test_tree_for_another_tp_refused(converted):
 
 
 @pytest.mark.parametrize("declared,field", [
-    ({"target": "gfx942"}, "target: manifest 'gfx950', declared 'gfx942'"),
-    ({"parallel": {"tp_size": 4}}, "parallel.tp_size: manifest 2, declared 4"),
-    ({"parallel": {"enable_expert_parallel": True}}, "parallel.enable_expert_parallel"),
-    ({"atom_revision": "0123456789"}, "layout.atom_revision"),
+    ({"target": "gfx942"}, "target: the manifest says 'gfx950', declared 'gfx942'"),
+    ({"parallel": {"tp": 4}}, "tp: the manifest says 2, declared 4"),
+    ({"parallel": {"ep": 2}}, "ep: the manifest says 1, declared 2"),
+    ({"atom_revision": "0123456789"}, "atom_revision: the manifest says 'ffdf3bb5d', declared '0123456789'"),
 ])
 def test_manifest_mismatch_refused(converted, declared, field):
     """Item 1: each differing field named; nothing is loaded."""
@@ -197,8 +197,8 @@ def test_flag_mismatches_all_named(converted):
         atom_convert.load_into(T.build(_config(d), tp=2), d, rank=0, flags=flags, target="gfx942")
     msg = str(ei.value)
     assert "3 difference(s)" in msg
-    assert "layout.flags.ATOM_FUSE_SHARED_EXPERT: manifest 1, declared 0" in msg
-    assert "layout.flags.ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE" in msg and "target" in msg
+    assert "flag ATOM_FUSE_SHARED_EXPERT: the manifest says 1, declared 0" in msg
+    assert "flag ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE" in msg and "target" in msg
 
 
 def test_truncated_shard_named(converted, tmp_path):

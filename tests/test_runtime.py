@@ -83,11 +83,11 @@ def test_native_build_and_restore(converted):
 def test_native_refuses_other_runtime(converted, monkeypatch):
     d = converted("tiny-deepseek-v3", "fp8", "gfx942", tp=2)
     cfg = json.loads((d / "config.json").read_text())
-    with pytest.raises(ManifestMismatchError, match="target: manifest 'gfx942', declared 'gfx950'"):
+    with pytest.raises(ManifestMismatchError, match="target: the manifest says 'gfx942', declared 'gfx950'"):
         atom_native.build_and_restore(_model_class(cfg, 2, "fp8", "gfx950"), cfg, path=str(d), rank=0, tp_size=2,
                                       device=torch.device("cpu"))
     monkeypatch.setenv("ATOM_FUSE_SHARED_EXPERT", "0")
-    with pytest.raises(ManifestMismatchError, match="layout.flags.ATOM_FUSE_SHARED_EXPERT: manifest 1, declared 0"):
+    with pytest.raises(ManifestMismatchError, match="flag ATOM_FUSE_SHARED_EXPERT: the manifest says 1, declared 0"):
         atom_native.build_and_restore(_model_class(cfg, 2, "fp8", "gfx942"), cfg, path=str(d), rank=0, tp_size=2,
                                       device=torch.device("cpu"))
 

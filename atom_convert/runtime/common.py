@@ -81,13 +81,13 @@ def free_transients(device: torch.device) -> None:
 
 
 def restore(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: torch.device, tp_size: int,
-            profile: str = "atom", enable_expert_parallel: bool = False) -> tuple[LoadStats, int]:
+            profile: str = "atom", parallel: dict[str, Any] | None = None) -> tuple[LoadStats, int]:
     """Load one rank's converted tensors into a model built under `meta_parameters`, then finalize
-    its fused MoEs; never runs any process_weights_after_loading (§10 item 10)."""
+    its fused MoEs; never runs any process_weights_after_loading (§10 item 10). `parallel`: further
+    live layout values to compare (ep, dp, dp_attention, expert_map; atom-parallel.md §5)."""
     view = rank_view(path, rank)
     stats = load_into(model, path, rank=rank, device=device, profile=profile, target=live_target(model),
-                      flags=live_flags(view.flags), parallel={"tp_size": tp_size,
-                                                               "enable_expert_parallel": enable_expert_parallel})
+                      flags=live_flags(view.flags), parallel={"tp": tp_size, **(parallel or {})})
     n = finalize_moe(model)
     free_transients(device)
     return stats, n

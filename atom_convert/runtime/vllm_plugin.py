@@ -46,11 +46,11 @@ def neutralise_mla_hooks(model: nn.Module, owner_suffix: str = ".mla_attn") -> i
 
 
 def load_weights(model: nn.Module, path: str, *, rank: int, tp_size: int, device: torch.device,
-                 enable_expert_parallel: bool = False) -> set[str]:
+                 parallel: dict[str, Any] | None = None) -> set[str]:
     """Steps 1-4 of the module docstring for the wrapper `model`; returns the loaded-name set."""
     view = rank_view(path, rank)
     load_into(model, path, rank=rank, device=device, profile=PROFILE, target=live_target(model),
-              flags=live_flags(view.flags), parallel={"tp_size": tp_size, "enable_expert_parallel": enable_expert_parallel})
+              flags=live_flags(view.flags), parallel={"tp": tp_size, **(parallel or {})})
     finalize_moe(model)
     neutralise_mla_hooks(model)
     free_transients(device)
