@@ -19,13 +19,13 @@ How it works:
    bytes were copied into it); otherwise `module._parameters[name]` is replaced, as ATOM's own IPC
    import does (§5: a meta Parameter cannot be filled in place). Then `is_shuffled = True` on every
    Parameter the manifest marks (§10 item 6), one Parameter object under both names of each alias
-   (§10 item 7), the MLA attributes set with `setattr` (§10 item 8), transients freed (§10 item 12).
+   (§10 item 7), the MLA attributes set with `setattr` (§10 item 8). Freeing transients (§10 item 12)
+   is left to the caller, once after the model and its drafter are loaded (runtime/common.py).
 Nothing here runs any process_weights_after_loading (§10 item 10).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -307,10 +307,10 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         amod, aattr = _split(alias)
         tmod, tattr = _split(name)
         model.get_submodule(amod)._parameters[aattr] = model.get_submodule(tmod)._parameters[tattr]  # one object
-    gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
+    # gc.collect and empty_cache (§10 item 12) are the caller's, once after everything is loaded
+    # (runtime/common.py): a full collection costs 0.1-0.6 s in a process holding torch and transformers.
     return LoadStats(bytes=nbytes, seconds=time.perf_counter() - t0, tensors=len(bindings), files=len(reads),
                      device=str(dev), method=method, copied_bytes=copied)
 

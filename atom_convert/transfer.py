@@ -28,6 +28,7 @@ import mmap
 import os
 import struct
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             err = cudart.cudaHostRegister(ptr, n, HOST_REGISTER_READ_ONLY)
             if int(getattr(err, "value", err)) != 0:
                 raise RuntimeError(f"cudaHostRegister of {path} bytes {off}..{off + n} failed ({err})")
-            return torch.from_numpy(arr)  # read-only mapping: torch warns, but only reads are issued
+            return torch.from_numpy(arr)  # read-only mapping (its warning is silenced): only read from
         buf = bufs[2 * w + slot]
         if reader == "mmap":
             np.copyto(buf.numpy()[:n], maps[path][1][off:off + n])
@@ -300,10 +301,12 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
 
     pool = [threading.Thread(target=run, args=(w,), name=f"atom-convert-load-{w}") for w in range(threads)]
     try:
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        with warnings.catch_warnings():  # "register" wraps the read-only mapping; only reads are issued
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
     finally:
         for mm, arr in maps.values():
             del arr
