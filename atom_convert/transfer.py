@@ -12,9 +12,9 @@ How it works (GPU, `place_cuda`):
    copies of the previous one, and the workers' copies overlap each other.
 4. Bytes are copied as bytes: the destination is viewed as uint8, so fp8, e8m0 and fp4 are never
    converted (atom-loading.md §10 item 5).
-Why not `cudaHostRegister` on the file's mapping: registering 2 GB and unregistering it cost more
-than the copy saved on the H200 device machine (issue 11: 20.0 GB/s with registration in series
-against 30-35 GB/s for this pipeline at 8-16 threads).
+Readers, chosen by bench/bench_load.py on the H200 device machine (BENCHMARKS.md, warm, 2 GB):
+`preadv` into pinned buffers on 16 threads 32.1 GB/s (the default), memcpy from a mapping 25.1 GB/s,
+`cudaHostRegister` of the mapping per chunk 15.0 GB/s; cold, all within the disk's rate.
 
 CPU (`place_cpu`): each file is mapped once copy-on-write (`mmap.ACCESS_COPY`) and every tensor is a
 view of the mapping, so no byte is copied until something writes to it; a tensor whose file offset is
@@ -38,7 +38,7 @@ import torch
 
 from .errors import BadInputError
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 16  # bench_load on the H200 machine: 31 GB/s warm at 16, 25 at 8 (BENCHMARKS.md)
 PAGE = 4096
 # How a chunk reaches page-locked memory: "pread" into pinned buffers (os.preadv), "mmap" (memcpy
 # from a read-only mapping into pinned buffers), "register" (cudaHostRegister of the mapping's chunk,
