@@ -66,12 +66,6 @@ PROFILES: dict[str, NamingProfile] = {
         mla_owner="mla_attn",
         dp_attention=False,
     ),
-    "vllm-plugin": NamingProfile(
-        name="vllm-plugin",
-        description="ATOM inside vLLM, HEAD (plugin spec §1: `model.` prefix, W_* on mla_attn, which is its own impl)",
-        prefix="model.",
-        mla_owner="mla_attn",
-    ),
 }
 
 
