@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UnsupportedError
-from .base import LinearCodec, LinearData, SourceFormat, is_excluded
+from .base import LinearCodec, LinearData, SourceFormat, is_excluded, string_list
 from .bf16 import Bf16Linear
 from .formats import FP8_BLOCK
 
@@ -116,7 +116,7 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         q = config["quantization_config"]
-        self.excluded: list[str] = [p for k in _EXCLUDE_KEYS for p in (q.get(k) or [])]
+        self.excluded: list[str] = [p for k in _EXCLUDE_KEYS for p in string_list(q, k, "config.json")]
 
     @classmethod
     def matches(cls, qcfg: dict[str, Any] | None) -> bool:
@@ -124,7 +124,7 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
             return False
         bs = qcfg.get("weight_block_size")
         fmt = qcfg.get("fmt", "e4m3")
-        if list(bs or []) != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
+        if not isinstance(bs, list) or bs != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
             raise UnsupportedError(
                 f"config.json: fp8 quantization_config with fmt={fmt!r}, weight_block_size={bs!r} is not supported; "
                 f"atom-convert reads DeepSeek's fp8 format (fmt 'e4m3', weight_block_size [128, 128])"

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import UnsupportedError
-from .base import LinearCodec, LinearData, SourceFormat, is_excluded
+from ..errors import ConfigError, UnsupportedError, json_kind
+from .base import LinearCodec, LinearData, SourceFormat, is_excluded, optional_object, string_list
 from .bf16 import Bf16Linear
 from .mxfp4 import MXFP4_BLOCK, mxfp4_dequant
 
@@ -78,6 +78,9 @@ def _codec_for_spec(module: str, spec: dict[str, Any] | None, where: str) -> Lin
     w = (spec or {}).get("weight")
     if not w:
         return Bf16Linear()
+    if not isinstance(w, dict):
+        raise ConfigError(f"config.json quantization_config ({where}): weight is {json_kind(w)} {w!r}, expected a "
+                          f"Quark quantization spec object (dtype, qscheme, group_size, ...) or null")
     dtype = str(w.get("dtype", "")).lower()
     problems = []
     if dtype not in ("fp4", "fp4_e2m1"):
@@ -104,11 +107,17 @@ class QuarkFormat(SourceFormat, fmt="quark-mxfp4"):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         q = config["quantization_config"]
-        self.exclude: list[str] = list(q.get("exclude") or [])
-        self.layer: dict[str, Any] = dict(q.get("layer_quant_config") or {})
-        self.layer_type: dict[str, Any] = dict(q.get("layer_type_quant_config") or {})
-        self.glob: dict[str, Any] | None = q.get("global_quant_config")
-        export = q.get("export") or {}
+        where = "config.json"
+        self.exclude: list[str] = list(string_list(q, "exclude", where))
+        self.layer: dict[str, Any] = dict(optional_object(q, "layer_quant_config", where) or {})
+        self.layer_type: dict[str, Any] = dict(optional_object(q, "layer_type_quant_config", where) or {})
+        self.glob: dict[str, Any] | None = optional_object(q, "global_quant_config", where)
+        for key, table in (("layer_quant_config", self.layer), ("layer_type_quant_config", self.layer_type)):
+            for k, v in table.items():
+                if v is not None and not isinstance(v, dict):
+                    raise ConfigError(f"{where}: quantization_config.{key}[{k!r}] is {json_kind(v)} {v!r}, "
+                                      f"expected a Quark spec object (with weight)")
+        export = optional_object(q, "export", where) or {}
         if export.get("weight_format", "real_quantized") != "real_quantized":
             raise UnsupportedError(
                 f"config.json: Quark export weight_format {export.get('weight_format')!r}; atom-convert reads "
