@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from .errors import BadInputError, CheckpointError, ConfigError, json_kind
 from .quant.formats import DTYPE_FROM_ST
+from .quant.values import ValueGuard
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -198,8 +199,11 @@ class SourceCheckpoint:
     snapshot's links point into the cache's `blobs/` folder.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False):
         self.path = Path(path)
+        # Every read is checked for NaN/Inf and fp8 NaN codes (quant/values.py); codecs add
+        # the checks only they can make (scales > 0, e8m0 NaN) through the same guard.
+        self.values = ValueGuard(allow_nonfinite)
         if not self.path.is_dir():
             raise BadInputError(f"source {self.path} is not a directory (expected a Hugging Face checkpoint folder)")
         self._root = self.path.resolve()
@@ -353,21 +357,27 @@ class SourceCheckpoint:
         return h
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(self.tensors[name].file).get_tensor(name)
+        t = self._handle(self.tensors[name].file).get_tensor(name)
+        self.values.check(name, self.tensors[name].file, t)
+        return t
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of dim 0, reading only those bytes."""
         info = self.tensors[name]
         if start == 0 and stop == info.shape[0]:
             return self.get(name)
-        return self._handle(info.file).get_slice(name)[start:stop]
+        t = self._handle(info.file).get_slice(name)[start:stop]
+        self.values.check(name, info.file, t, (start,))
+        return t
 
     def get_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Columns [start, stop) of dim 1 of a 2-D tensor."""
         info = self.tensors[name]
         if start == 0 and stop == info.shape[1]:
             return self.get(name)
-        return self._handle(info.file).get_slice(name)[:, start:stop].contiguous()
+        t = self._handle(info.file).get_slice(name)[:, start:stop].contiguous()
+        self.values.check(name, info.file, t, (0, start))
+        return t
 
     def release(self) -> None:
         """Close every open file (unmaps them; pages read so far leave the resident set)."""

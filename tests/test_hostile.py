@@ -27,8 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import atom_convert
+from atom_convert import BadInputError
+from atom_convert.check import check_files
+from atom_convert.model import ModelSpec
+from atom_convert.quant.base import detect_format
+from atom_convert.quant.values import ValueGuard
 from atom_convert.source import INDEX_NAME
-from atom_convert.synth import build_random, load_preset
+from atom_convert.synth import CONFIG_DIR, build_random, load_preset
 from hostile_util import assert_refused, run_cli, tree_digest
 
 PRESET = "tiny-deepseek-v3"
@@ -595,6 +601,56 @@ def _quark_weight(s: Sources) -> Case:
     return Case(src, ["config.json", "weight is a list", "global_quant_config"])
 
 
+# --- values, checked as they stream (mid-conversion: the partial output must be removed) --------------
+
+def poke(src: Path, name: str, index: tuple[int, ...], value: float | int) -> str:
+    """Set one element of a stored tensor: a float value, or the raw byte of an fp8/uint8 tensor.
+    Returns the file holding it."""
+    f = shard_of(src, name) if (src / INDEX_NAME).exists() else SINGLE
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        x = t[name]
+        (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x)[index] = value
+    edit_tensors(src / f, edit)
+    return f
+
+
+def _value_case(name: str, base: str, tensor: str, index: tuple[int, ...], value: float | int, expect: list[str],
+                args: tuple[str, ...] = ()) -> None:
+    @case(name)
+    def make(s: Sources) -> Case:
+        src = {"fp8": _fp8, "bf16": _bf16, "mxfp4": lambda s: clone(s.mxfp4, s.tmp / "src")}[base](s)
+        f = poke(src, tensor, index, value)
+        return Case(src, [f, f"tensor {tensor}", f"first at index {list(index)}", *expect, "--allow-nonfinite"],
+                    list(args))
+
+
+_value_case("value-fp8-block-scale-nan", "fp8", f"{KV_B}.weight_scale_inv", (1, 0), float("nan"), ["NaN", "value nan"])
+_value_case("value-fp8-block-scale-inf", "fp8", f"{KV_B}.weight_scale_inv", (0, 0), float("inf"), ["NaN or Inf", "value inf"])
+_value_case("value-fp8-block-scale-zero", "fp8", f"{O_PROJ}.weight_scale_inv", (2, 1), 0.0, ["zero or negative", "value 0.0"])
+_value_case("value-fp8-block-scale-negative", "fp8", f"{O_PROJ}.weight_scale_inv", (1, 1), -1e-3,
+            ["zero or negative", "value -0.001"])
+_value_case("value-fp8-nan-code-0x7f", "fp8", f"{O_PROJ}.weight", (5, 7), 0x7F, ["fp8 NaN code", "byte 0x7F"])
+_value_case("value-fp8-nan-code-0xff-gfx942", "fp8", "model.layers.0.self_attn.q_b_proj.weight", (100, 3), 0xFF,
+            ["fp8 NaN code", "byte 0xFF", "e4m3fnuz"], ("--target", "gfx942"))
+# tp=2: rank 1 reads down_proj's columns 128..255 and gate/up's rows 128..255; the index is the stored one
+_value_case("value-fp8-expert-nan-code-tp2", "fp8", "model.layers.2.mlp.experts.5.down_proj.weight", (300, 200), 0xFF,
+            ["byte 0xFF"], ("--tp", "2"))
+_value_case("value-fp8-expert-scale-nan-tp2", "fp8", "model.layers.1.mlp.experts.6.up_proj.weight_scale_inv", (1, 2),
+            float("nan"), ["NaN"], ("--tp", "2"))
+_value_case("value-bf16-weight-nan", "bf16", "model.layers.0.self_attn.q_b_proj.weight", (3, 4), float("nan"), ["NaN"])
+_value_case("value-bf16-expert-minus-inf", "bf16", "model.layers.2.mlp.experts.1.down_proj.weight", (17, 33),
+            float("-inf"), ["value -inf"])
+_value_case("value-bf16-norm-nan", "bf16", "model.norm.weight", (7,), float("nan"), ["NaN"])
+_value_case("value-router-fp32-inf", "bf16", "model.layers.1.mlp.gate.weight", (2, 9), float("inf"), ["value inf"])
+_value_case("value-correction-bias-nan", "fp8", "model.layers.2.mlp.gate.e_score_correction_bias", (3,), float("nan"),
+            ["NaN"])
+_value_case("value-embedding-nan", "fp8", "model.embed_tokens.weight", (500, 1), float("nan"), ["NaN"])
+_value_case("value-lm-head-inf-tp2", "bf16", "lm_head.weight", (400, 2), float("inf"), ["value inf"], ("--tp", "2"))
+_value_case("value-mxfp4-e8m0-nan", "mxfp4", "model.layers.1.mlp.experts.3.gate_proj.weight_scale", (3, 1), 0xFF,
+            ["e8m0 NaN", "byte 0xFF"])
+
+
 # ------------------------------------------------------------------------------------------------
 # the tests
 # ------------------------------------------------------------------------------------------------
@@ -673,3 +729,90 @@ def test_unreadable_shard(sources: Sources, tmp_path: Path) -> None:
     finally:
         if root != tmp_path:
             shutil.rmtree(root)
+
+
+def test_allow_nonfinite_converts_and_records_each_tensor(sources: Sources, tmp_path: Path) -> None:
+    """The override: the same bad values convert, each tensor is recorded once (not per rank) in
+    the manifest with its first bad index, the CLI says so, and the output passes verify's checks."""
+    src = _fp8(sources)
+    f1 = poke(src, f"{KV_B}.weight_scale_inv", (1, 0), float("nan"))
+    f2 = poke(src, f"{O_PROJ}.weight", (5, 7), 0x7F)
+    dst = tmp_path / "dst"
+    r = run_cli(["convert", src, dst, "--tp", "2", "--allow-nonfinite"])
+    assert r.code == 0, r.text
+    assert "2 tensor(s)" in r.text and "atom_manifest.json" in r.text, r.text
+    checks = json.loads((dst / "atom_manifest.json").read_text())["value_checks"]
+    assert checks["allow_nonfinite"] is True
+    got = sorted((w["file"], w["tensor"], w["first_index"]) for w in checks["warnings"])
+    assert got == sorted([(f1, f"{KV_B}.weight_scale_inv", [1, 0]), (f2, f"{O_PROJ}.weight", [5, 7])])
+    assert check_files(dst).ok
+
+
+def test_clean_conversion_records_no_warning(converted: Callable[..., Path]) -> None:
+    m = json.loads((converted(PRESET, "fp8", "gfx950") / "atom_manifest.json").read_text())
+    assert m["value_checks"] == {"allow_nonfinite": False, "warnings": []}
+
+
+def test_api_raises_bad_input_for_a_nan_scale(sources: Sources, tmp_path: Path) -> None:
+    src = _fp8(sources)
+    poke(src, f"{KV_B}.weight_scale_inv", (3, 0), float("nan"))  # kv_b [512, 128]: a [4, 1] grid
+    with pytest.raises(BadInputError, match=r"kv_b_proj\.weight_scale_inv.*first at index \[3, 0\]"):
+        atom_convert.convert(src, tmp_path / "dst")
+    assert os.listdir(tmp_path) == ["src"]  # the partial output of a mid-stream failure is gone
+    m = atom_convert.convert(src, tmp_path / "dst2", allow_nonfinite=True)
+    assert [w["first_index"] for w in m["value_checks"]["warnings"]] == [[3, 0]]
+
+
+def test_fp8_check_against_every_code() -> None:
+    """All 256 e4m3fn codes, one at a time, against torch's own decoding (isnan)."""
+    for code in range(256):
+        t = torch.full((3, 5), 0x38, dtype=torch.uint8)
+        t[2, 4] = code
+        w = t.view(torch.float8_e4m3fn)
+        nan = bool(torch.isnan(w.float()).any())
+        guard = ValueGuard(allow_nonfinite=True)
+        guard.check("w", "f", w)
+        assert bool(guard.warnings) == nan, hex(code)
+        if nan:
+            assert guard.warnings[0]["first_index"] == [2, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_float_check_against_every_bit_pattern(dtype: torch.dtype) -> None:
+    """bf16 and fp16 exhaustively (fp32: a random sample plus the special patterns), against
+    torch.isfinite: all finite patterns together pass, each non-finite one is caught alone."""
+    gen = torch.Generator().manual_seed(5)
+    if dtype == torch.float32:
+        bits = torch.cat([torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=gen, dtype=torch.int64),
+                          torch.tensor([0x7F800000, -0x00800000, 0x7FC00000, 0x7F800001, -1])]).to(torch.int32)
+    else:
+        bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype)
+    finite = torch.isfinite(values)
+    guard = ValueGuard()
+    guard.check("t", "f", values[finite])  # raises on any false alarm
+    bad = values[~finite]
+    assert bad.numel() >= 5
+    base = torch.randn(64, generator=gen).to(dtype)
+    for v in bad:
+        t = base.clone()
+        t[37] = v
+        guard = ValueGuard(allow_nonfinite=True)
+        guard.check("t", "f", t)
+        assert [w["first_index"] for w in guard.warnings] == [[37]], (dtype, v)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+def test_real_configs_and_their_spellings_are_accepted(preset: str) -> None:
+    """No check refuses a real config: every preset (full-size ones are the released config.json
+    files), with every integer written as a float (7168.0) and every optional key as null."""
+    cfg = load_preset(preset)
+    spec = ModelSpec.from_config(cfg)
+    detect_format(cfg)
+    as_floats = {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in cfg.items()}
+    assert ModelSpec.from_config(as_floats) == spec
+    optional = ("first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "topk_method", "scoring_func",
+                "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "rms_norm_eps",
+                "tie_word_embeddings", "rope_scaling", "quantization_config")
+    ModelSpec.from_config(dict(cfg, **{k: None for k in optional}))
+    detect_format(dict(cfg, quantization_config=None))

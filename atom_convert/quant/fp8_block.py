@@ -94,12 +94,17 @@ class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
     def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
         w, s = self.source_names(module)
         if axis is None:
-            return LinearData(src.get(w), src.get(s).float())
-        # Callers slice on 128-row/column boundaries (checked at planning, spec §3.2).
-        b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
-        if axis == 0:
-            return LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float())
-        return LinearData(src.get_cols(w, start, stop), src.get_cols(s, b0, b1).float())
+            d, origin = LinearData(src.get(w), src.get(s).float()), ()
+        else:
+            # Callers slice on 128-row/column boundaries (checked at planning, spec §3.2).
+            b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
+            if axis == 0:
+                d, origin = LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float()), (b0,)
+            else:
+                d, origin = LinearData(src.get_cols(w, start, stop), src.get_cols(s, b0, b1).float()), (0, b0)
+        assert d.scale is not None
+        src.values.scales(s, src.info(s).file, d.scale, origin)  # a zero or negative scale is finite but wrong
+        return d
 
     def dequant(self, data: LinearData) -> torch.Tensor:
         assert data.scale is not None

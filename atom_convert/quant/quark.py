@@ -59,12 +59,17 @@ class Mxfp4Linear(LinearCodec, codec="mxfp4"):
     def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
         w, s = self.source_names(module)
         if axis is None:
-            return LinearData(src.get(w), src.get(s))
-        if axis == 0:
-            return LinearData(src.get_rows(w, start, stop), src.get_rows(s, start, stop))
-        # Row-parallel: bytes along dim 1 (two values per byte), scale columns per 32 (spec §3.3.1).
-        return LinearData(src.get_cols(w, start // 2, stop // 2),
-                          src.get_cols(s, start // MXFP4_BLOCK, stop // MXFP4_BLOCK))
+            d, origin = LinearData(src.get(w), src.get(s)), ()
+        elif axis == 0:
+            d, origin = LinearData(src.get_rows(w, start, stop), src.get_rows(s, start, stop)), (start,)
+        else:
+            # Row-parallel: bytes along dim 1 (two values per byte), scale columns per 32 (spec §3.3.1).
+            d = LinearData(src.get_cols(w, start // 2, stop // 2),
+                           src.get_cols(s, start // MXFP4_BLOCK, stop // MXFP4_BLOCK))
+            origin = (0, start // MXFP4_BLOCK)
+        assert d.scale is not None
+        src.values.e8m0(s, src.info(s).file, d.scale, origin)  # e2m1 codes have no NaN; the scale byte 0xFF is one
+        return d
 
     def dequant(self, data: LinearData) -> torch.Tensor:
         assert data.scale is not None
