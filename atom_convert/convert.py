@@ -220,7 +220,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
             dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, workers: int | None = 1,
-            max_memory: int | str | None = None) -> dict[str, Any]:
+            max_memory: int | str | None = None, allow_nonfinite: bool = False) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
@@ -244,6 +244,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             CLI's default). The output is byte-identical for every value.
         max_memory: byte budget for the workers' working sets (bytes or text like "16GB"); None:
             half of the memory available. Workers wait rather than exceed it.
+        allow_nonfinite: convert even when source values are NaN/Inf, fp8 NaN codes, scales <= 0
+            or e8m0 NaN (an error by default); each such tensor is recorded in the manifest's
+            `value_checks.warnings`.
 
     Returns:
         The manifest (also written to `dst/atom_manifest.json`).
@@ -261,7 +264,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     _large_allocations_via_mmap()
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
-    source = SourceCheckpoint(src)
+    source = SourceCheckpoint(src, allow_nonfinite=allow_nonfinite)
     plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
                      dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))

@@ -8,6 +8,16 @@ Anything else that escapes is an internal error (exit code 1).
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def json_kind(v: Any) -> str:
+    """A JSON value's type as a user reads it in a message: 'a list', 'null', 'a string'."""
+    if v is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(v), type(v).__name__)
+
 
 class AtomConvertError(Exception):
     """Base class of atom-convert's own errors."""
@@ -44,6 +54,16 @@ class CheckpointError(BadInputError):
         if hint:
             msg += f"\n{hint}"
         super().__init__(msg)
+
+
+class ConfigError(CheckpointError):
+    """config.json (or its quantization_config) holds a value of the wrong type or range.
+
+    Each problem names the key, the expected type or range and the value found.
+    """
+
+    def __init__(self, problems: list[str] | str, hint: str | None = None):
+        super().__init__(problems, hint or "Fix config.json; the values of the original release are in its model card.")
 
 
 class DestinationExistsError(BadInputError):

@@ -247,6 +247,8 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
         "dropped": plan.dropped if role == "main" else {},
         "copied_files": sorted(copied),
         "files": {**out_files, **copied},
+        # bad source values converted under --allow-nonfinite (quant/values.py); empty otherwise
+        "value_checks": src.values.summary(),
     }
     if role == "main":
         if plan.mtp is not None and mtp_dir is not None:

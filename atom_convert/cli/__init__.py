@@ -62,6 +62,9 @@ def cli() -> None:
 @click.option("--mori", is_flag=True, help="The serving host can import mori (all2all under --dp-attention --ep).")
 @click.option("--profile", type=click.Choice(sorted(PROFILES)), default="atom", show_default=True,
               help="Runtime names: atom (native server) or vllm-plugin (ATOM inside vLLM).")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Convert even when source values are NaN/Inf, fp8 NaN codes, scales <= 0 or e8m0 NaN (an error "
+                   "by default); each such tensor is printed and recorded in the manifest.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads converting (layer, rank) items in parallel [default: every usable core]. "
                    "The output is byte-identical for every value.")
@@ -71,7 +74,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
             mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str, mori: bool, profile: str,
-            workers: int | None, max_memory: str | None, as_json: bool) -> None:
+            workers: int | None, max_memory: str | None, allow_nonfinite: bool, as_json: bool) -> None:
     """Convert the checkpoint in SRC into ATOM's layout in DST."""
     from ..convert import convert as run_convert
     from ..convert import plan_summary
@@ -86,7 +89,13 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
         return
     m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
                     progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, workers=workers,
-                    max_memory=max_memory, **par)
+                    max_memory=max_memory, allow_nonfinite=allow_nonfinite, **par)
+    bad = m["value_checks"]["warnings"]
+    if bad:
+        click.echo(f"warning: {len(bad)} tensor(s) hold non-finite or invalid values, converted as they are "
+                   f"(--allow-nonfinite); recorded in {dst / 'atom_manifest.json'} under value_checks:", err=True)
+        for w in bad:
+            click.echo(f"  {w['file']}: {w['tensor']}: {w['problem']} at {w['first_index']} ({w['value']})", err=True)
     if as_json:
         click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "parallel", "files", "mtp", "conversion_seconds")},
                               indent=1))

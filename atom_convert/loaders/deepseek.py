@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import BadInputError, CheckpointError, UnsupportedError
+from ..errors import BadInputError, CheckpointError, ConfigError, UnsupportedError
 from ..model import ModelSpec
 from ..parallel import REPLICATED, Parallel, Split
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
@@ -593,6 +593,40 @@ def _dequant_whole(ctx: _Ctx, codec: LinearCodec, module: str, rank: int, cache:
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _first_absent(have: set[int]) -> int:
+    i = 0
+    while i in have:
+        i += 1
+    return i
+
+
+def _check_counts(src: SourceCheckpoint, spec: ModelSpec) -> None:
+    """num_hidden_layers and n_routed_experts against what the files hold, before any
+    per-tensor check: a wrong count is one line naming the key, not one line per missing
+    tensor (and a count like 1e9 is refused at once instead of being iterated)."""
+    where = src.path / "config.json"
+    layers, experts = set(), set()
+    for name in src.names():
+        if m := _LAYER_RE.match(name):
+            layers.add(int(m.group(1)))
+        if m := _EXPERT_RE.match(name):
+            experts.add(int(m.group(1)))
+    have = {i for i in layers if i < spec.n_layers}
+    if len(have) < spec.n_layers:
+        first = _first_absent(have)
+        raise ConfigError(f"{where}: num_hidden_layers is {spec.n_layers}, but the checkpoint holds no tensor of "
+                          f"layer {first} ({spec.n_layers - len(have)} of the {spec.n_layers} layers have none: "
+                          f"model.layers.{first}.* is absent)",
+                          hint="Fix num_hidden_layers, or download the shards that hold the missing layers.")
+    have_e = {e for e in experts if e < spec.E}
+    if spec.E and len(have_e) < spec.E and spec.E > max(experts, default=-1) + 1:
+        raise ConfigError(f"{where}: n_routed_experts is {spec.E}, but the checkpoint holds experts "
+                          f"{'0..' + str(max(experts)) if experts else 'none'} (no mlp.experts.{_first_absent(have_e)}.* "
+                          f"tensor in any layer)",
+                          hint="Fix n_routed_experts, or download the shards that hold the missing experts.")
 
 
 class DeepseekLoader(ArchLoader):
@@ -609,6 +643,7 @@ class DeepseekLoader(ArchLoader):
              profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8", parallel: Parallel | None = None) -> ConversionPlan:
         if tp < 1:
             raise BadInputError(f"tp must be >= 1, got {tp}")
+        _check_counts(src, spec)
         par = parallel or Parallel(tp=tp)
         if par.tp != tp:
             raise BadInputError(f"internal: tp={tp} but the parallel layout says tp={par.tp}")

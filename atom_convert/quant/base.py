@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import ConfigError, UnsupportedError, json_kind
 
 if TYPE_CHECKING:
     from ..source import SourceCheckpoint
@@ -101,6 +101,12 @@ def available_formats() -> list[str]:
 
 def detect_format(config: dict[str, Any], where: str = "config.json") -> SourceFormat:
     qcfg = config.get("quantization_config")
+    if qcfg is not None and not isinstance(qcfg, dict):
+        raise ConfigError(f"{where}: quantization_config is {json_kind(qcfg)} {_clip(qcfg)}, expected an object "
+                          f"(with quant_method) or no quantization_config for bf16")
+    if qcfg and not isinstance(qcfg.get("quant_method"), str):
+        raise ConfigError(f"{where}: quantization_config.quant_method is {json_kind(qcfg.get('quant_method'))} "
+                          f"{_clip(qcfg.get('quant_method'))}, expected a string such as 'fp8' or 'quark'")
     for cls in _FORMATS.values():
         if cls.matches(qcfg):
             return cls(config)
@@ -110,6 +116,29 @@ def detect_format(config: dict[str, Any], where: str = "config.json") -> SourceF
         f"{where}: quantization_config.quant_method {method!r} ({_short(qcfg)}) is not supported. "
         f"Supported source formats: {supported}."
     )
+
+
+def _clip(v: Any, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def string_list(q: dict[str, Any], key: str, where: str) -> list[str]:
+    """An optional list-of-patterns key of a quantization_config (null or absent: empty)."""
+    v = q.get(key)
+    if v is None:
+        return []
+    if not (isinstance(v, list) and all(isinstance(p, str) for p in v)):
+        raise ConfigError(f"{where}: quantization_config.{key} is {json_kind(v)} {_clip(v)}, expected a list of "
+                          f"module names or patterns (strings)")
+    return v
+
+
+def optional_object(q: dict[str, Any], key: str, where: str) -> dict[str, Any] | None:
+    v = q.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"{where}: quantization_config.{key} is {json_kind(v)} {_clip(v)}, expected an object")
+    return v
 
 
 def _short(qcfg: dict[str, Any] | None) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UnsupportedError
-from .base import LinearCodec, LinearData, SourceFormat, is_excluded
+from .base import LinearCodec, LinearData, SourceFormat, is_excluded, string_list
 from .bf16 import Bf16Linear
 from .formats import FP8_BLOCK
 
@@ -94,13 +94,19 @@ class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
     def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
         w, s = self.source_names(module)
         if axis is None:
-            return LinearData(src.get(w), src.get(s).float())
-        # Callers slice on 128-row/column boundaries (checked at planning, spec §3.2).
-        b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
-        if axis == 0:
-            return LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float())
-        # The weight as a strided view: every consumer (fnuz, shuffle16, dequant) copies it anyway.
-        return LinearData(src.get_cols(w, start, stop, contiguous=False), src.get_cols(s, b0, b1).float())
+            d, origin = LinearData(src.get(w), src.get(s).float()), ()
+        else:
+            # Callers slice on 128-row/column boundaries (checked at planning, spec §3.2).
+            b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
+            if axis == 0:
+                d, origin = LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float()), (b0,)
+            else:
+                # The weight as a strided view: every consumer (fnuz, shuffle16, dequant) copies it anyway.
+                d, origin = LinearData(src.get_cols(w, start, stop, contiguous=False),
+                                       src.get_cols(s, b0, b1).float()), (0, b0)
+        assert d.scale is not None
+        src.values.scales(s, src.info(s).file, d.scale, origin)  # a zero or negative scale is finite but wrong
+        return d
 
     def dequant(self, data: LinearData) -> torch.Tensor:
         assert data.scale is not None
@@ -117,7 +123,7 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         q = config["quantization_config"]
-        self.excluded: list[str] = [p for k in _EXCLUDE_KEYS for p in (q.get(k) or [])]
+        self.excluded: list[str] = [p for k in _EXCLUDE_KEYS for p in string_list(q, k, "config.json")]
 
     @classmethod
     def matches(cls, qcfg: dict[str, Any] | None) -> bool:
@@ -125,7 +131,7 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
             return False
         bs = qcfg.get("weight_block_size")
         fmt = qcfg.get("fmt", "e4m3")
-        if list(bs or []) != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
+        if not isinstance(bs, list) or bs != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
             raise UnsupportedError(
                 f"config.json: fp8 quantization_config with fmt={fmt!r}, weight_block_size={bs!r} is not supported; "
                 f"atom-convert reads DeepSeek's fp8 format (fmt 'e4m3', weight_block_size [128, 128])"

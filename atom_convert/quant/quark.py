@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import UnsupportedError
-from .base import LinearCodec, LinearData, SourceFormat, is_excluded
+from ..errors import ConfigError, UnsupportedError, json_kind
+from .base import LinearCodec, LinearData, SourceFormat, is_excluded, optional_object, string_list
 from .bf16 import Bf16Linear
 from .mxfp4 import MXFP4_BLOCK, mxfp4_dequant
 
@@ -59,12 +59,17 @@ class Mxfp4Linear(LinearCodec, codec="mxfp4"):
     def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
         w, s = self.source_names(module)
         if axis is None:
-            return LinearData(src.get(w), src.get(s))
-        if axis == 0:
-            return LinearData(src.get_rows(w, start, stop), src.get_rows(s, start, stop))
-        # Row-parallel: bytes along dim 1 (two values per byte), scale columns per 32 (spec §3.3.1).
-        return LinearData(src.get_cols(w, start // 2, stop // 2),
-                          src.get_cols(s, start // MXFP4_BLOCK, stop // MXFP4_BLOCK))
+            d, origin = LinearData(src.get(w), src.get(s)), ()
+        elif axis == 0:
+            d, origin = LinearData(src.get_rows(w, start, stop), src.get_rows(s, start, stop)), (start,)
+        else:
+            # Row-parallel: bytes along dim 1 (two values per byte), scale columns per 32 (spec §3.3.1).
+            d = LinearData(src.get_cols(w, start // 2, stop // 2),
+                           src.get_cols(s, start // MXFP4_BLOCK, stop // MXFP4_BLOCK))
+            origin = (0, start // MXFP4_BLOCK)
+        assert d.scale is not None
+        src.values.e8m0(s, src.info(s).file, d.scale, origin)  # e2m1 codes have no NaN; the scale byte 0xFF is one
+        return d
 
     def dequant(self, data: LinearData) -> torch.Tensor:
         assert data.scale is not None
@@ -78,6 +83,9 @@ def _codec_for_spec(module: str, spec: dict[str, Any] | None, where: str) -> Lin
     w = (spec or {}).get("weight")
     if not w:
         return Bf16Linear()
+    if not isinstance(w, dict):
+        raise ConfigError(f"config.json quantization_config ({where}): weight is {json_kind(w)} {w!r}, expected a "
+                          f"Quark quantization spec object (dtype, qscheme, group_size, ...) or null")
     dtype = str(w.get("dtype", "")).lower()
     problems = []
     if dtype not in ("fp4", "fp4_e2m1"):
@@ -104,11 +112,17 @@ class QuarkFormat(SourceFormat, fmt="quark-mxfp4"):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         q = config["quantization_config"]
-        self.exclude: list[str] = list(q.get("exclude") or [])
-        self.layer: dict[str, Any] = dict(q.get("layer_quant_config") or {})
-        self.layer_type: dict[str, Any] = dict(q.get("layer_type_quant_config") or {})
-        self.glob: dict[str, Any] | None = q.get("global_quant_config")
-        export = q.get("export") or {}
+        where = "config.json"
+        self.exclude: list[str] = list(string_list(q, "exclude", where))
+        self.layer: dict[str, Any] = dict(optional_object(q, "layer_quant_config", where) or {})
+        self.layer_type: dict[str, Any] = dict(optional_object(q, "layer_type_quant_config", where) or {})
+        self.glob: dict[str, Any] | None = optional_object(q, "global_quant_config", where)
+        for key, table in (("layer_quant_config", self.layer), ("layer_type_quant_config", self.layer_type)):
+            for k, v in table.items():
+                if v is not None and not isinstance(v, dict):
+                    raise ConfigError(f"{where}: quantization_config.{key}[{k!r}] is {json_kind(v)} {v!r}, "
+                                      f"expected a Quark spec object (with weight)")
+        export = optional_object(q, "export", where) or {}
         if export.get("weight_format", "real_quantized") != "real_quantized":
             raise UnsupportedError(
                 f"config.json: Quark export weight_format {export.get('weight_format')!r}; atom-convert reads "
