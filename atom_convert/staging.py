@@ -198,7 +198,13 @@ class DestinationLock:
                             f"another atom-convert is writing {self.dst} ({who}; lock {self.path}); wait for it to "
                             "finish, pass --wait (wait=True) to queue behind it, or choose another DST") from None
                     self.notify(f"waiting for the conversion into {self.dst} ({who}) to finish (--wait)")
-                    fcntl.flock(fd, fcntl.LOCK_EX)  # a signal interrupts it (KeyboardInterrupt)
+                    while True:  # polled, not a blocking flock: Ctrl-C must work whichever thread gets it
+                        time.sleep(0.2)
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            break
+                        except BlockingIOError:
+                            continue
                 # The previous holder removes the file on release: a lock on that unlinked file
                 # protects nothing, so start again on the current file.
                 try:

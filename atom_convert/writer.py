@@ -130,19 +130,36 @@ class _IOThread:
             finally:
                 self._q.task_done()
 
+    # The main thread waits on this thread in short steps: a process-directed signal (Ctrl-C,
+    # SIGTERM) may be delivered to any thread, and only a wait that returns now and then lets
+    # the main thread run its handler when this thread is stuck (a dead network filesystem).
+    _POLL_S = 0.2
+
     def drain(self) -> None:
-        """Block until every submitted function has run (a signal interrupts the wait)."""
-        self._q.join()
+        """Block until every submitted function has run."""
+        with self._q.all_tasks_done:
+            while self._q.unfinished_tasks:
+                self._q.all_tasks_done.wait(self._POLL_S)
         if self._error is not None:
             raise self._error
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        if self._error is not None:
-            raise self._error
-        self._q.put((fn, args))
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._q.put((fn, args), timeout=self._POLL_S)
+                return
+            except queue.Full:
+                continue
 
     def close(self) -> None:
-        self._q.put(None)
+        while True:
+            try:
+                self._q.put(None, timeout=self._POLL_S)
+                break
+            except queue.Full:
+                continue
         while self._t.is_alive():  # join in steps: a signal still reaches the main thread
             self._t.join(0.5)
         if self._error is not None:
