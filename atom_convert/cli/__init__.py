@@ -258,9 +258,15 @@ def demo(out: Path, target: str, tp: int, preset: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="atom-convert", standalone_mode=False)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # click turns Ctrl-C outside `convert` into Abort
+            click.echo("error: interrupted", err=True)
+            sys.exit(128 + getattr(e.__context__, "signum", signal.SIGINT))
         click.echo("aborted", err=True)
         sys.exit(1)
+    except KeyboardInterrupt as e:
+        click.echo("error: interrupted", err=True)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     except click.ClickException as e:
         e.show()
         sys.exit(2)  # usage errors
