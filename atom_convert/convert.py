@@ -266,7 +266,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 remove_created(created)
             raise
     except OSError as e:
-        msg = os_error_message(e, None)
+        msg = os_error_message(e, None, paths)
         if msg is None:
             raise
         raise BadInputError(msg[0]) from e
@@ -318,7 +318,7 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
             msg = f"interrupted by {how} before any shard was sealed; nothing was kept"
         raise Interrupted(signum, msg) from None
     except OSError as e:
-        m = os_error_message(e, staging)
+        m = os_error_message(e, staging, staging.paths)
         if m is None:
             staging.remove()
             raise

@@ -462,8 +462,18 @@ def plan_digest(planned: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(planned, sort_keys=True).encode()).hexdigest()
 
 
-def os_error_message(e: OSError, staging: Staging | None) -> tuple[str, bool] | None:
-    """(message, keep sealed shards) for the OS errors a user can fix, or None for the others."""
+def _is_written_by_us(path: Path, paths: DestPaths) -> bool:
+    """A path the conversion writes: in the staging directory, the lock, DST, or a parent it creates."""
+    p = Path(os.path.abspath(path))
+    return (p in (paths.lock, paths.old, paths.dst, paths.staging) or paths.staging in p.parents
+            or p in paths.dst.parents)
+
+
+def os_error_message(e: OSError, staging: Staging | None, paths: DestPaths) -> tuple[str, bool] | None:
+    """(message, keep sealed shards) for the OS errors a user can fix while writing, or None for the
+    others (an error reading the source is not a destination problem)."""
+    if e.filename is not None and not _is_written_by_us(Path(os.fsdecode(e.filename)), paths):
+        return None
     where = e.filename or (staging.root if staging else "the destination")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         sealed = staging.sealed if staging else []
