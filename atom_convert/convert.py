@@ -1,37 +1,46 @@
 """The conversion driver.
 
 How it works:
-1. Index the source lazily (headers only) and read config.json into a ModelSpec.
-2. Detect the source format; the architecture's loader checks every tensor and
-   plans every output (name, dtype, shape, sources) before any data is read.
+1. Check DST against SRC before any work (staging.check_destination: no overlap, symlinks,
+   what --force may replace).
+2. Index the source lazily (headers only) and read config.json into a ModelSpec; detect the
+   source format; the architecture's loader checks every tensor and plans every output
+   (name, dtype, shape, sources) before any data is read.
 3. Assign outputs to size-bounded shards per rank, in load order.
-4. Stream: (group, rank) items (a decoder layer's tensors for one rank) are
-   converted by `workers` threads inside a memory budget (workers.py), each
-   tensor written at its planned offset in its rank's shard (writer.py); one
-   worker holds one item's working set, nothing else is held.
-5. Copy config/tokenizer files, write the MTP set's manifest, then the main
-   manifest last, then rename the temporary directory to DST.
-Any failure removes the temporary directory; DST is never half-written.
+4. Take the lock beside DST, then open the staging directory `.DST.atom-partial/`: a new
+   one, or the one an interrupted run left, whose sealed shards are kept when the source and
+   options fingerprints match (staging.py).
+5. Stream: (layer, rank) items run on `--workers` threads inside a memory budget
+   (workers.py); each tensor's bytes go to their planned offset in their shard, so the
+   output does not depend on the order of completion. Outputs whose shard is already
+   sealed are not produced at all. Each shard is sealed (fsynced, renamed, journalled)
+   as it completes.
+6. Copy config/tokenizer files, write the MTP set's manifest, then the main manifest last,
+   then rename the staging directory to DST.
+On Ctrl-C or SIGTERM the sealed shards stay for a resume and the unsealed ones are removed;
+after disk full the sealed shards stay too; any other failure removes the staging directory.
+DST is never half-written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import logging
 import os
 import shutil
-import tempfile
+import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from tqdm import tqdm
 
 from . import loaders, quant
 from . import workers as workers_mod
-from .errors import BadInputError, DestinationExistsError, UnsupportedError
+from .errors import BadInputError, Interrupted, UnsupportedError
+from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, options_fingerprint, source_fingerprint
 from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
@@ -40,16 +49,15 @@ from .profile import get_profile
 from .quant.formats import TARGETS
 from .remote_code import remote_code_files
 from .source import SourceCheckpoint
-from .writer import ShardSetWriter, WrittenFile, _IOThread
+from .staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
+                      os_error_message, plan_digest, remove_created)
+from .writer import FaultHook, ShardSetWriter, WrittenFile, _IOThread, header_digest
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
 
-# Files copied from SRC beside the shards (whatever of them exists).
-COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-              "chat_template.jinja", "tiktoken.model")
-COPY_SUFFIXES = (".tiktoken",)
+RESUME_MODES = ("auto", "resume", "restart")
+_log = logging.getLogger("atom_convert")
 
 
 @dataclass
@@ -132,15 +140,17 @@ def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, Set
     return main, mtp
 
 
-def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progress: Callable[[int], None],
-               src: SourceCheckpoint, workers: int, max_memory: int
-               ) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan, progress: Callable[[int], None],
+               src: SourceCheckpoint, staging: Staging, kept: dict[str, Sealed], fault: FaultHook | None,
+               workers: int, max_memory: int) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
     tp = plan.tp
+    assert staging.journal is not None
     stop = threading.Event()
     # The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
     # item (its split has one piece, so every rank's producer would yield the same bytes).
-    writer = ShardSetWriter(directory, layout.shards + [layout.common], layout.plan.outputs(), on_bytes=progress,
-                            stop=stop)
+    writer = ShardSetWriter(root, subdir, layout.shards + [layout.common], layout.plan.outputs(), staging.journal,
+                            kept, on_bytes=progress, stop=stop, fault=fault)
+    progress(writer.kept_bytes)
 
     def convert_item(item: workers_mod.Item, io: object) -> None:
         assert isinstance(io, _IOThread)
@@ -148,11 +158,10 @@ def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progres
         try:
             cache: dict[str, Any] = {}
             for out in item.group.outputs:
-                if plan.is_common(out):
-                    if item.rank == 0:
-                        writer.write(tp, out, out.produce(0, cache))
-                    continue
-                writer.write(item.rank, out, out.produce(item.rank, cache))
+                slot = tp if plan.is_common(out) else item.rank
+                if (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
+                    continue  # common: produced once; sealed by an interrupted run: not produced at all
+                writer.write(slot, out, out.produce(0 if slot == tp else item.rank, cache))
             # Wait for this item's writes: queued buffers may be views of source pages, and the
             # worker's next item must start with none of them alive (bounded working set).
             io.drain()
@@ -161,12 +170,15 @@ def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progres
 
     def end_worker(io: object) -> None:
         if isinstance(io, _IOThread):
-            io.close()
+            if stop.is_set():
+                io.abort()  # bounded: a stuck write cannot hold the stop
+            else:
+                io.close()
 
     try:
         workers_mod.run_items(workers_mod.items(layout.plan.groups, tp), convert_item, workers=workers,
                               budget=workers_mod.Budget(max_memory, stop), stop=stop,
-                              worker_state=_IOThread, end_worker=end_worker)
+                              worker_state=lambda: _IOThread(stop=stop), end_worker=end_worker)
         files = writer.close()
     except BaseException:
         writer.abort()
@@ -185,47 +197,36 @@ def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
     code, _ = remote_code_files(src)
     copied = {}
     for p in sorted(src.iterdir()):
-        if p.is_file() and (p.name in COPY_FILES or p.name.endswith(COPY_SUFFIXES) or p.name in code):
+        if p.is_file() and (p.name in SIDE_FILES or p.name.endswith(SIDE_SUFFIXES) or p.name in code):
             shutil.copy2(p, dst / p.name)
             copied[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return copied
 
 
-@contextlib.contextmanager
-def _staging(dst: Path) -> Iterator[Path]:
-    """A temporary directory beside DST, renamed to DST on success, removed on failure."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-        old = None
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "x")
-        try:
-            os.rename(tmp, dst)
-        except BaseException:
-            if old is not None:  # put the previous DST back before reporting the failure
-                os.rename(old / "x", dst)
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _planned_shards(main: SetLayout, mtp: SetLayout | None) -> dict[str, str]:
+    """Every shard's path relative to DST -> the digest of its header (what the journal checks)."""
+    planned = {}
+    for lay, prefix in ((main, ""), (mtp, f"{MTP_DIR}/")):
+        if lay is None:
+            continue
+        by_name = {o.name: o for o in lay.plan.outputs()}
+        for shards in lay.shards + [lay.common]:
+            for sp in shards:
+                planned[prefix + sp.file] = header_digest(sp, by_name)
+    return planned
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
-            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, workers: int | None = 1,
+            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, resume: str = "auto",
+            wait: bool = False, notify: Callable[[str], None] | None = None, workers: int | None = 1,
             max_memory: int | str | None = None, allow_nonfinite: bool = False) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
         src: checkpoint folder (config.json plus model.safetensors or an index and shards).
-        dst: output folder; must not exist unless `force`.
+        dst: output folder; must not exist unless `force`. Missing parents are created (mkdir -p).
         target: "gfx950" (MI355, e4m3fn) or "gfx942" (MI300/MI325, e4m3fnuz).
         tp: ATOM's `-tp`: the number of GPUs; one set of shards per rank.
         ep: ATOM's `--enable-expert-parallel` (spec atom-parallel.md §1): whole experts per rank.
@@ -236,10 +237,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         mori: whether the serving host can import `mori` (decides the shared-expert mode, §3.2-3.3).
         shard_size: upper bound per shard file (bytes, or text like "5GB").
         mtp: convert the DeepSeek-V3/R1 MTP layer into `dst/mtp/` (False drops it).
-        force: replace an existing `dst`.
+        force: replace an existing `dst`, only if it is an earlier conversion or empty.
         progress: show a tqdm bar in bytes.
         mla_bmm: "fp8" (default) or "mxfp4" (gfx950, ATOM_USE_TRITON_MXFP4_BMM=1): the format of the
             MLA operands W_K/W_V.
+        resume: what to do with the partial conversion an interrupted run left beside `dst`:
+            "auto" (default) resumes it when the source and options are unchanged, refuses otherwise;
+            "resume" does the same and says when there is nothing to resume; "restart" discards it.
+        wait: when another conversion into `dst` runs, wait for it instead of refusing.
+        notify: receives one-line notes (resuming, waiting); default: the "atom_convert" logger.
         workers: threads converting (layer, rank) items in parallel; None: every usable core (the
             CLI's default). The output is byte-identical for every value.
         max_memory: byte budget for the workers' working sets (bytes or text like "16GB"); None:
@@ -251,43 +257,120 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     Returns:
         The manifest (also written to `dst/atom_manifest.json`).
 
+    Raises:
+        BadInputError: bad input or options, a destination that may not be replaced, a running
+            conversion into `dst`, disk full, read-only or permission errors.
+        Interrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt); the message says how to resume.
+
     Example:
         >>> import atom_convert
         >>> m = atom_convert.convert("DeepSeek-V3", "DeepSeek-V3-atom-gfx950", target="gfx950", tp=8)
     """
     t0 = time.perf_counter()
-    dst = Path(dst)
+    note = notify or _log.info
+    if resume not in RESUME_MODES:
+        raise BadInputError(f"resume={resume!r}; choose one of {', '.join(RESUME_MODES)}")
+    size = parse_size(shard_size)
     workers = workers_mod.usable_cores() if workers is None else workers
     if workers < 1:
         raise BadInputError(f"workers must be >= 1, got {workers}")
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
+    paths = check_destination(src, dst, force)
     _large_allocations_via_mmap()
-    if dst.exists() and not force:
-        raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
     source = SourceCheckpoint(src, allow_nonfinite=allow_nonfinite)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
-                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
-    main, mtp_layout = layout_shards(plan, parse_size(shard_size))
-    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common] for s in r)
+    try:
+        plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
+                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+        main, mtp_layout = layout_shards(plan, size)
+        planned = _planned_shards(main, mtp_layout)
+        header = {"source": source_fingerprint(source.path).as_dict(),
+                  "options": options_fingerprint(target=target, tp=tp, shard_size=size, mtp=mtp, mla_bmm=mla_bmm,
+                                                 profile=profile, ep=ep, dp_attention=dp_attention,
+                                                 shared_experts=shared_experts, mori=mori).as_dict(),
+                  "plan": plan_digest(planned)}
+        created: list[Path] = []
+        try:
+            created = make_parents(paths.parent)
+            with DestinationLock(paths, wait=wait, notify=note):
+                staging = Staging(paths, note)
+                staging.recover_swap()
+                check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
+                return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
+                            workers, budget)
+        except BaseException:
+            if not os.path.lexists(paths.staging):
+                remove_created(created)
+            raise
+    except OSError as e:
+        msg = os_error_message(e, None, paths)
+        if msg is None:
+            raise
+        raise BadInputError(msg[0]) from e
+    finally:
+        source.release()
+
+
+def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, source: SourceCheckpoint,
+         staging: Staging, header: dict[str, Any], planned: dict[str, str], resume: str, progress: bool,
+         t0: float, workers: int, budget: int) -> dict[str, Any]:
+    """Steps 4-6 of the module docstring, under the lock; the failure policy is here."""
+    fault = FaultHook.from_env()
+    try:
+        kept = {s.file: s for s in staging.open(header, planned, resume)}
+    except OSError:
+        if staging.created:  # a new staging directory that could not be set up: nothing to keep
+            staging.remove()
+        raise
+    tmp = staging.root
+    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common]
+                for s in r)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
     try:
-        with _staging(dst) as tmp:
-            mtp_manifest = None
-            if mtp_layout is not None:
-                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source, workers, budget)
-                copied = _copy_side_files(source.path, tmp / MTP_DIR)
-                mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
-                write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
-            files, where = _write_set(main, tmp, plan, bar.update, source, workers, budget)
-            copied = _copy_side_files(source.path, tmp)
-            manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
-                                      mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
-                                      seconds=time.perf_counter() - t0)
-            write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
+        mtp_manifest = None
+        if mtp_layout is not None:
+            files, where = _write_set(mtp_layout, tmp, MTP_DIR, plan, bar.update, source, staging, kept, fault,
+                                      workers, budget)
+            copied = _copy_side_files(source.path, tmp / MTP_DIR)
+            mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
+            write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
+        files, where = _write_set(main, tmp, "", plan, bar.update, source, staging, kept, fault, workers, budget)
+        copied = _copy_side_files(source.path, tmp)
+        manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
+                                  mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
+                                  seconds=time.perf_counter() - t0)
+        write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
+        staging.commit()
+        return manifest
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the CLI's handler
+        staging.close()
+        staging.remove_partials()
+        signum = getattr(e, "signum", signal.SIGINT)
+        sealed = staging.sealed
+        how = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+        if sealed:
+            msg = (f"interrupted by {how}: {len(sealed)} of {len(planned)} shards are sealed in {staging.root}; run "
+                   "the same command again (or add --resume) to continue from them, or --restart to start over")
+        else:
+            staging.remove()
+            msg = f"interrupted by {how} before any shard was sealed; nothing was kept"
+        raise Interrupted(signum, msg) from None
+    except OSError as e:
+        m = os_error_message(e, staging, staging.paths)
+        if m is None:
+            staging.remove()
+            raise
+        text, keep = m
+        if keep:
+            staging.close()
+            staging.remove_partials()
+        else:
+            staging.remove()
+        raise BadInputError(text) from e
+    except BaseException:
+        staging.remove()
+        raise
     finally:
         bar.close()
-        source.release()
-    return manifest
 
 
 def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "gfx950", *, tp: int = 1,

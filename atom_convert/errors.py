@@ -72,3 +72,22 @@ class DestinationExistsError(BadInputError):
 
 class ConvertedCheckError(BadInputError):
     """A converted directory fails its integrity checks."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A conversion stopped by SIGINT (Ctrl-C) or SIGTERM.
+
+    A KeyboardInterrupt, so that code which handles Ctrl-C handles SIGTERM alike. Raised by
+    the CLI's SIGTERM handler (bare, `message` empty) and re-raised by `convert` once it has
+    cleaned up, with a message saying what was kept and how to resume. `exit_code` is the
+    shell's convention, 128 + the signal number: 130 for SIGINT, 143 for SIGTERM.
+    """
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message)
+        self.signum = signum
+        self.message = message
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

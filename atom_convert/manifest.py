@@ -39,6 +39,9 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 ATOM_REVISION = "ffdf3bb5d"  # spec §0: the ATOM commit the layout follows
 AITER_REVISION = "e4048607a"
+# Bumped whenever a change alters the bytes written for the same source and options, so that
+# a partial conversion staged by an older build is not resumed by a newer one (fingerprint.py).
+LAYOUT_REVISION = 1
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -166,8 +167,11 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
             t.join()
     except BaseException:  # Ctrl-C reaches the main thread only: stop the workers, then leave
         stop.set()
+        # Bounded: a worker whose write is stuck for ever (a dead network filesystem) must not
+        # hold Ctrl-C; the threads are daemons and the writer's abort removes what they left.
+        deadline = time.monotonic() + 10.0
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
         raise
     if errors:
         from .writer import Cancelled

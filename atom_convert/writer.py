@@ -18,7 +18,12 @@ How it works:
    feeds sha256 by reading the bytes back with `preadv` (they are in the page
    cache: just written). Hashing never waits for the order of production, and
    the files hash in parallel (file writes, reads and hashlib release the GIL).
-   When the prefix reaches the end, the thread fsyncs and closes the file.
+   When the prefix reaches the end, the thread fsyncs and seals the file.
+4. Crash safety: a shard is written under `<name>.partial` and sealed once its last byte
+   is written and hashed: fsynced, renamed to its final name, the directory fsynced, and
+   its size and sha256 appended to the staging journal (staging.py). A killed run leaves
+   only sealed shards (kept by a resume) and `.partial` files (removed by it). `abort()`
+   never waits long: threads are joined with timeouts, so Ctrl-C cannot hang on a stuck write.
 The files are plain safetensors: `safe_open` reads them.
 """
 
@@ -28,6 +33,7 @@ import hashlib
 import json
 import os
 import queue
+import signal
 import struct
 import threading
 from dataclasses import dataclass
@@ -39,6 +45,7 @@ import torch
 from .errors import AtomConvertError
 from .plan import OutTensor, ShardPlan
 from .quant.formats import ST_DTYPE
+from .staging import PARTIAL_SUFFIX, Journal, Sealed, fsync_dir
 
 _ALIGN = 8  # header padded so that tensor data starts 8-byte aligned (as safetensors does)
 
@@ -63,17 +70,71 @@ def _as_bytes(t: torch.Tensor) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def shard_header(plan: ShardPlan, outputs: dict[str, OutTensor]) -> bytes:
+    """The exact first bytes of a planned shard; their sha256 identifies the shard's plan in the journal."""
+    return safetensors_header([(n, outputs[n].dtype, outputs[n].shape, outputs[n].nbytes) for n in plan.names],
+                              metadata={"format": "pt"})
+
+
+def header_digest(plan: ShardPlan, outputs: dict[str, OutTensor]) -> str:
+    return hashlib.sha256(shard_header(plan, outputs)).hexdigest()
+
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> int:
+    """One `os.pwrite` (a module function so that tests can inject disk-full and other faults)."""
+    return os.pwrite(fd, data, offset)
+
+
+class FaultHook:
+    """Test-only: ATOM_CONVERT_TEST_SIGNAL_AT_BYTE="N:SIGNAME" makes the process send itself
+    SIGNAME once N shard bytes have been written, counted over every shard in the order the
+    writes complete (the tests kill a conversion at chosen points with it; the writer
+    otherwise never reads it). The buffer crossing N is written up to byte N first, so a
+    kill leaves a shard cut at exactly that point."""
+
+    ENV = "ATOM_CONVERT_TEST_SIGNAL_AT_BYTE"
+
+    def __init__(self, at: int, signum: int):
+        self.at, self.signum, self.done = at, signum, 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "FaultHook | None":
+        spec = os.environ.get(cls.ENV)
+        if not spec:
+            return None
+        at, name = spec.split(":")
+        return cls(int(at), int(getattr(signal, name)))
+
+    def cut(self, n: int) -> int | None:
+        """Count `n` bytes about to be written; where the signal falls inside them, the offset."""
+        with self._lock:
+            before, self.done = self.done, self.done + n
+        return self.at - before if before < self.at <= before + n else None
+
+    def fire(self) -> None:
+        os.kill(os.getpid(), self.signum)
+
+
 class Cancelled(Exception):
-    """Raised in a worker when another worker failed: stop at the next buffer."""
+    """Raised in a worker when another worker failed or the run was interrupted: stop at the next buffer."""
 
 
 class _IOThread:
     """Runs a worker's writes in order, off its producing thread (write-behind: the producer
     prepares the next expert while the previous one is copied into the page cache)."""
 
-    def __init__(self, depth: int = 4):
+    # Waits here are in short steps: a process-directed signal (Ctrl-C, SIGTERM) is handled on
+    # the main thread, and only waits that return now and then let everything notice a stop
+    # when a write is stuck (a dead network filesystem).
+    _POLL_S = 0.2
+
+    def __init__(self, depth: int = 4, stop: threading.Event | None = None):
         self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
+        self._aborted = threading.Event()
+        self._stop = stop or threading.Event()
         self._t = threading.Thread(target=self._run, name="atom-convert-writer", daemon=True)
         self._t.start()
 
@@ -83,33 +144,72 @@ class _IOThread:
             try:
                 if item is None:
                     return
-                if self._error is None:
+                if self._error is None and not self._aborted.is_set():
                     fn, args = item
                     try:
                         fn(*args)
-                    except BaseException as e:  # noqa: BLE001  re-raised on the main thread
+                    except BaseException as e:  # noqa: BLE001  re-raised on the submitting thread
                         self._error = e
                     del fn, args
                 del item  # do not keep the last buffer (and the file pages it views) alive
             finally:
                 self._q.task_done()
 
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set() or self._aborted.is_set():
+            raise Cancelled()
+
     def drain(self) -> None:
         """Block until every submitted write is done."""
-        self._q.join()
-        if self._error is not None:
-            raise self._error
+        with self._q.all_tasks_done:
+            while self._q.unfinished_tasks:
+                if self._stop.is_set() or self._aborted.is_set():
+                    raise Cancelled()
+                self._q.all_tasks_done.wait(self._POLL_S)
+        self._check()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        if self._error is not None:
-            raise self._error
-        self._q.put((fn, args))
+        while True:
+            self._check()
+            try:
+                self._q.put((fn, args), timeout=self._POLL_S)
+                return
+            except queue.Full:
+                continue
 
     def close(self) -> None:
-        self._q.put(None)
-        self._t.join()
+        while True:
+            self._check()
+            try:
+                self._q.put(None, timeout=self._POLL_S)
+                break
+            except queue.Full:
+                continue
+        while self._t.is_alive():  # join in steps: a stop is still noticed
+            self._t.join(self._POLL_S)
+            if self._stop.is_set():
+                raise Cancelled()
         if self._error is not None:
             raise self._error
+
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop soon: queued writes are dropped; the running one (a single write) may finish.
+        Waits at most `timeout` s; the thread is a daemon, so a write stuck for ever cannot keep
+        the process alive either."""
+        self._aborted.set()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+            self._q.task_done()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+        self._t.join(timeout)
 
 
 @dataclass
@@ -130,16 +230,27 @@ class _Piece:
 _HASH_READ = 8 << 20  # read-back block of the hashing threads
 
 
-class _OpenShard:
-    """One shard file being written: its fd, the done byte ranges, and its hashing thread."""
+class ShardFile:
+    """One shard from its first byte to its seal, written in any order by several threads.
 
-    def __init__(self, path: Path, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int):
-        self.path = path
+    Bytes go to `<final>.partial` at their offsets (`pwrite`, then `done`); the shard's own
+    hashing thread (`hash_and_seal`) follows the contiguous written prefix, and at the end
+    fsyncs, renames the file to its final name, fsyncs the directory and records the shard in
+    the journal. `discard` removes an unsealed shard.
+    """
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
+                 journal: Journal, fault: FaultHook | None = None):
+        self.rel = rel
         self.plan = plan
+        self.final = root / rel
+        self.tmp = self.final.with_name(self.final.name + PARTIAL_SUFFIX)
         self.header = header
         self.offsets = offsets  # tensor name -> absolute offset of its bytes
         self.size = size  # header + data
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.journal = journal
+        self.fault = fault
+        self.fd = self._io(os.open, self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # umask applies
         self.cond = threading.Condition()
         self.ends: dict[int, int] = {}  # done ranges not yet joined to the prefix: start -> end
         self.frontier = 0  # bytes [0, frontier) are written
@@ -149,8 +260,35 @@ class _OpenShard:
         self.aborted = False
         self.error: BaseException | None = None
         self.closed = False
+        self.sealed: Sealed | None = None
         self.written: set[str] = set()  # tensors whose bytes were all handed over
         self.thread: threading.Thread | None = None
+
+    def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.tmp)) from e
+            raise
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        """Write all of `data` at `offset`."""
+        mv = memoryview(data).cast("B")
+        cut = self.fault.cut(len(mv)) if self.fault is not None else None
+        if cut is not None:  # test hook: the signal arrives with exactly `cut` bytes of this buffer written
+            self.pwrite_all(mv[:cut], offset)
+            self.fault.fire()  # type: ignore[union-attr]
+            self.pwrite_all(mv[cut:], offset + cut)
+        else:
+            self.pwrite_all(mv, offset)
+
+    def pwrite_all(self, mv: memoryview, offset: int) -> None:
+        while len(mv):
+            n = self._io(_pwrite, self.fd, mv, offset)
+            offset += n
+            mv = mv[n:]
 
     def done(self, start: int, n: int) -> None:
         """Bytes [start, start + n) are in the file (called after pwrite returned)."""
@@ -165,28 +303,43 @@ class _OpenShard:
                 self.cond.notify_all()
 
     def hash_and_seal(self) -> None:
-        """The hashing thread: sha256 of the written prefix as it grows; fsync and close at the end."""
+        """The hashing thread: sha256 of the written prefix as it grows; then fsync and seal."""
         try:
             buf = bytearray(min(_HASH_READ, max(self.size, 1)))
             view = memoryview(buf)
             while self.hashed < self.size:
                 with self.cond:
                     while self.frontier <= self.hashed and not self.aborted:
-                        self.cond.wait()
+                        self.cond.wait(0.5)
                     if self.aborted:
                         return
                     ready = self.frontier
                 while self.hashed < ready:
-                    n = os.preadv(self.fd, [view[:min(len(buf), ready - self.hashed)]], self.hashed)
+                    n = self._io(os.preadv, self.fd, [view[:min(len(buf), ready - self.hashed)]], self.hashed)
                     if n <= 0:
-                        raise AtomConvertError(f"internal: {self.path.name}: read back {n} bytes at {self.hashed}")
+                        raise AtomConvertError(f"internal: {self.rel}: read back {n} bytes at {self.hashed}")
                     self.sha.update(view[:n])
                     self.hashed += n
-            os.fsync(self.fd)
+            self._io(os.fsync, self.fd)
+            self.close_fd()
+            with self.cond:
+                if self.aborted:  # an abort while the last bytes were hashed: leave it unsealed
+                    return
+            self._seal()
         except BaseException as e:  # noqa: BLE001  reported by close()
             self.error = e
         finally:
             self.close_fd()
+
+    def _seal(self) -> None:
+        if not (self.nbytes == self.hashed == self.size):
+            raise AtomConvertError(f"internal: {self.rel}: {self.nbytes} bytes written, {self.hashed} hashed, "
+                                   f"{self.size} planned")
+        self._io(os.rename, self.tmp, self.final)
+        self._io(fsync_dir, self.final.parent)
+        s = Sealed(self.rel, self.size, self.sha.hexdigest(), hashlib.sha256(self.header).hexdigest())
+        self._io(self.journal.record, s)
+        self.sealed = s
 
     def close_fd(self) -> None:
         with self.cond:
@@ -194,66 +347,88 @@ class _OpenShard:
                 self.closed = True
                 os.close(self.fd)
 
+    def discard(self) -> None:
+        """Remove the file of a shard that was not sealed."""
+        if self.sealed is None:
+            try:
+                self.tmp.unlink()
+            except FileNotFoundError:
+                pass
+
 
 class ShardSetWriter:
-    """Writes the shards of every rank of one converted set (main model or MTP).
+    """Writes the shards of every rank of one converted set (main model or MTP) into
+    `root/subdir`, skipping the shards in `kept` (sealed by an earlier, interrupted run).
 
-    Thread-safe: workers call `write` for any (rank, tensor) in any order; each tensor's
+    Thread-safe: workers call `write` for any (slot, tensor) in any order; each tensor's
     bytes land at the offset the plan gives it.
     """
 
-    def __init__(self, directory: Path, shards: list[list[ShardPlan]], outputs: list[OutTensor],
-                 on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None):
-        self.dir = directory
+    def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
+                 journal: Journal, kept: dict[str, Sealed] | None = None,
+                 on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
+                 fault: FaultHook | None = None):
+        self.root = root
+        self.prefix = f"{subdir}/" if subdir else ""
+        self.dir = root / subdir if subdir else root
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.journal = journal
+        self.fault = fault
+        kept = kept or {}
         self.by_name = {o.name: o for o in outputs}
         self.plans = [p for ps in shards for p in ps]
+        self.kept = {p.file: kept[self.prefix + p.file] for p in self.plans if self.prefix + p.file in kept}
         # slot: a rank, or the caller's extra slot for files every rank shares
         self.place: dict[tuple[int, str], ShardPlan] = {(slot, n): p for slot, ps in enumerate(shards)
                                                         for p in ps for n in p.names}
-        self.written: list[WrittenFile] = []
-        self.tensor_file: dict[tuple[int, str], str] = {}
+        self.tensor_file: dict[tuple[int, str], str] = {k: p.file for k, p in self.place.items()}
         self._on_bytes = on_bytes or (lambda n: None)
         self.stop = stop or threading.Event()
         self._lock = threading.Lock()
-        self._open: dict[str, _OpenShard] = {}
+        self._open: dict[str, ShardFile] = {}
         self._local = threading.local()
+
+    def is_sealed(self, slot: int, name: str) -> bool:
+        """True when the shard holding `name` for `slot` was kept from an earlier run: skip producing it."""
+        p = self.place.get((slot, name))
+        return p is not None and p.file in self.kept
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(s.nbytes for s in self.kept.values())
 
     # Runs on the workers' write-behind threads. One buffer per call, written at its offset.
     @staticmethod
-    def _write(sh: _OpenShard, piece: _Piece) -> None:
-        mv = memoryview(piece.data).cast("B")
-        off, left = piece.offset, mv
-        while len(left):
-            n = os.pwrite(sh.fd, left, off)
-            off += n
-            left = left[n:]
-        sh.done(piece.offset, len(mv))
+    def _write(sh: ShardFile, piece: _Piece) -> None:
+        sh.pwrite(piece.data, piece.offset)
+        sh.done(piece.offset, len(memoryview(piece.data).cast("B")))
 
     def _progress(self, n: int) -> None:
         with self._lock:
             self._on_bytes(n)
 
-    def _write_and_count(self, sh: _OpenShard, piece: _Piece) -> None:
+    def _write_and_count(self, sh: ShardFile, piece: _Piece) -> None:
         if self.stop.is_set():
             raise Cancelled()
         n = len(memoryview(piece.data).cast("B"))
         self._write(sh, piece)
         self._progress(n)
 
-    def _shard(self, plan: ShardPlan) -> _OpenShard:
+    def _shard(self, plan: ShardPlan) -> ShardFile:
         with self._lock:
             sh = self._open.get(plan.file)
             if sh is None:
                 outs = [self.by_name[n] for n in plan.names]
-                header = safetensors_header([(o.name, o.dtype, o.shape, o.nbytes) for o in outs], metadata={"format": "pt"})
+                header = shard_header(plan, self.by_name)
                 offsets, off = {}, len(header)
                 for o in outs:
                     offsets[o.name] = off
                     off += o.nbytes
-                sh = _OpenShard(self.dir / plan.file, plan, header, offsets, off)
+                sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, off, self.journal,
+                               self.fault)
                 self._open[plan.file] = sh
-                sh.thread = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
+                sh.thread = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}",
+                                             daemon=True)
                 sh.thread.start()
                 self._write(sh, _Piece(0, header))
         return sh
@@ -271,6 +446,8 @@ class ShardSetWriter:
         plan = self.place.get((rank, out.name))
         if plan is None:
             raise AtomConvertError(f"internal: {out.name} (rank {rank}) is in no planned shard")
+        if plan.file in self.kept:
+            raise AtomConvertError(f"internal: {out.name} (rank {rank}) is in {plan.file}, sealed by an earlier run")
         sh = self._shard(plan)
         with self._lock:
             if out.name in sh.written:
@@ -297,34 +474,39 @@ class ShardSetWriter:
             raise AtomConvertError(
                 f"internal: {out.name} produced {total} bytes, planned {out.nbytes} ({out.dtype}, {list(out.shape)})"
             )
-        with self._lock:
-            self.tensor_file[(rank, out.name)] = plan.file
 
     def close(self) -> list[WrittenFile]:
-        """Wait for every file's hash and fsync; check that every planned byte was written."""
-        missing = [p.file for p in self.plans if p.file not in self._open]
+        """Wait for every file's hash and seal; every planned shard of the set, kept or written."""
+        missing = [p.file for p in self.plans if p.file not in self._open and p.file not in self.kept]
         short = [f"{sh.plan.file} ({sh.frontier} of {sh.size} bytes)" for sh in self._open.values()
                  if sh.frontier != sh.size]
         if missing or short:
-            self.abort()
             raise AtomConvertError(f"internal: shards left incomplete: {missing + short}")
         for sh in self._open.values():
             assert sh.thread is not None
-            sh.thread.join()
+            while sh.thread.is_alive():  # in steps: Ctrl-C still reaches the main thread
+                sh.thread.join(0.2)
         errors = [sh.error for sh in self._open.values() if sh.error is not None]
         if errors:
             raise errors[0]
+        files = []
         for p in self.plans:
+            if p.file in self.kept:
+                k = self.kept[p.file]
+                files.append(WrittenFile(p.file, k.nbytes, k.sha256))
+                continue
             sh = self._open[p.file]
-            size = sh.path.stat().st_size
-            if size != sh.size or sh.hashed != sh.size or sh.nbytes != sh.size:
-                raise AtomConvertError(f"internal: {p.file} has {size} bytes on disk, {sh.nbytes} were written, "
-                                       f"{sh.hashed} hashed, {sh.size} planned")
-            self.written.append(WrittenFile(p.file, sh.size, sh.sha.hexdigest()))
-        return self.written
+            if sh.sealed is None or sh.hashed != sh.size or sh.nbytes != sh.size:
+                raise AtomConvertError(f"internal: {p.file}: {sh.nbytes} bytes written, {sh.hashed} hashed, "
+                                       f"{sh.size} planned, sealed: {sh.sealed is not None}")
+            size = sh.final.stat().st_size
+            if size != sh.size:
+                raise AtomConvertError(f"internal: {p.file} has {size} bytes on disk, {sh.size} planned")
+            files.append(WrittenFile(p.file, sh.size, sh.sealed.sha256))
+        return files
 
-    def abort(self) -> None:
-        """Stop the hashing threads and close every file (the caller removes the directory)."""
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop the hashing threads (bounded wait), close every file and remove the unsealed ones."""
         self.stop.set()
         for sh in list(self._open.values()):
             with sh.cond:
@@ -332,5 +514,6 @@ class ShardSetWriter:
                 sh.cond.notify_all()
         for sh in list(self._open.values()):
             if sh.thread is not None:
-                sh.thread.join()
+                sh.thread.join(timeout)
             sh.close_fd()
+            sh.discard()

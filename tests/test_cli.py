@@ -39,7 +39,8 @@ def sha256(p: Path) -> str:
 
 
 def leftovers(dst: Path) -> list[str]:
-    return [p.name for p in dst.parent.iterdir() if p.name.startswith((f".{dst.name}.tmp-", f".{dst.name}.old-"))]
+    """The tool's own names beside DST (staging, lock, replaced DST): none may outlive a run that ended."""
+    return [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]
 
 
 def nbytes(dtype: str, shape: list[int]) -> int:

@@ -29,10 +29,10 @@ import atom_convert
 import atom_convert.postload as postload_mod
 from atom_convert import BadInputError
 from atom_convert.cli import main
-from atom_convert.errors import CheckpointError, DestinationExistsError, UnsupportedError
+from atom_convert.errors import CheckpointError, DestinationExistsError, Interrupted, UnsupportedError
 from atom_convert.source import INDEX_NAME
 from atom_convert.synth import build_tiny, load_preset
-from atom_convert.writer import ShardSetWriter
+from atom_convert.writer import ShardFile, ShardSetWriter
 
 PRESET = "tiny-deepseek-v3"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -101,9 +101,8 @@ def run_cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def leftovers(dst: Path) -> list[str]:
-    """Staging directories of DST left in its parent."""
-    return sorted(p.name for p in dst.parent.iterdir()
-                  if p.name.startswith((f".{dst.name}.tmp-", f".{dst.name}.old-")))
+    """The tool's own names beside DST (staging directory, lock file, replaced DST) left in its parent."""
+    return sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}."))
 
 
 def assert_nothing_written(dst: Path) -> None:
@@ -452,29 +451,48 @@ def test_existing_dst_without_force_is_untouched(tiny_checkpoint: Callable[..., 
     assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
 
 
-def test_existing_dst_with_force_is_replaced(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_force_refuses_a_directory_that_is_not_a_conversion(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--force replaces only an earlier conversion or an empty directory: anything else is refused."""
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     code, out, err = run_cli(["convert", tiny_checkpoint(PRESET, "fp8"), dst, "--force"], capsys)
+    assert code == 2
+    assert str(dst) in err and "not an atom-convert output" in err and "atom_manifest.json" in err
+    assert "keep.txt" in err and "Choose another DST" in err
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"] and (dst / "keep.txt").read_text() == "mine"
+    assert leftovers(dst) == []
+    with pytest.raises(BadInputError, match="not an atom-convert output"):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, force=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("kind", ["earlier-conversion", "empty"])
+def test_existing_dst_with_force_is_replaced(kind: str, converted: Callable[..., Path], tiny_checkpoint: Callable[..., Path],
+                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "dst"
+    if kind == "empty":
+        dst.mkdir()
+    else:  # a gfx942 conversion, replaced by a gfx950 one
+        shutil.copytree(converted(PRESET, "fp8", "gfx942"), dst)
+    code, out, err = run_cli(["convert", tiny_checkpoint(PRESET, "fp8"), dst, "--force"], capsys)
     assert code == 0, err
-    assert not (dst / "keep.txt").exists()
-    assert (dst / "atom_manifest.json").is_file() and (dst / "mtp" / "atom_manifest.json").is_file()
+    assert json.loads((dst / "atom_manifest.json").read_text())["target"] == "gfx950"
+    assert (dst / "mtp" / "atom_manifest.json").is_file()
     assert leftovers(dst) == []
     code, out, err = run_cli(["verify", dst], capsys)
     assert code == 0, out
 
 
-def test_existing_dst_with_force_survives_bad_input(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+def test_existing_dst_with_force_survives_bad_input(tiny_checkpoint: Callable[..., Path],
+                                                    existing_dst: tuple[Path, dict[str, str]], tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    dst, digest = existing_dst
     case = _scale_grid(tiny_checkpoint, tmp_path)
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("mine")
     code, _, err = run_cli(["convert", case.src, dst, "--force"], capsys)
     assert code == 2 and "scale grid" in err
-    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+    assert tree_digest(dst) == digest
     assert leftovers(dst) == []
 
 
@@ -533,32 +551,62 @@ def test_producer_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], t
     assert_nothing_written(dst)
 
 
-def test_io_thread_failure_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write error on the background IO thread (disk full) reaches the caller and cleans up."""
-    real = ShardSetWriter._write
+def test_io_thread_failure_keeps_only_sealed_shards(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full on the background IO thread reaches the caller as bad input naming the shard; the
+    shards sealed before it stay for a resume, nothing else does, and the resume completes."""
+    real = ShardFile.pwrite
     calls = {"n": 0}
 
-    def _write(sh: Any, buf: Any) -> None:
+    def pwrite(sh: ShardFile, data: Any, offset: int) -> None:
         calls["n"] += 1
-        if calls["n"] == 40:
-            raise OSError(28, "No space left on device")
-        real(sh, buf)
+        if calls["n"] == 40:  # what os.pwrite raises on a full disk: no file name
+            sh._io(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        real(sh, data, offset)
 
-    monkeypatch.setattr(ShardSetWriter, "_write", staticmethod(_write))
+    monkeypatch.setattr(ShardFile, "pwrite", pwrite)
     dst = tmp_path / "dst"
-    with pytest.raises(OSError, match="No space left"):
-        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
-    assert_nothing_written(dst)
+    with pytest.raises(BadInputError, match="no space left") as ei:
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
+    staging = tmp_path / ".dst.atom-partial"
+    assert ".safetensors.partial" in str(ei.value) and str(staging) in str(ei.value) and "--restart" in str(ei.value)
+    assert not dst.exists() and leftovers(dst) == [staging.name]
+    files = [p for p in staging.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name.endswith(".partial")]
+    journal = [json.loads(x) for x in (staging / ".atom-journal.jsonl").read_text().splitlines()[1:]]
+    assert len(journal) >= 1 and {staging / e["sealed"] for e in journal} == {p for p in files if p.suffix == ".safetensors"}
+    for e in journal:
+        assert hashlib.sha256((staging / e["sealed"]).read_bytes()).hexdigest() == e["sha256"]
+    monkeypatch.undo()
+    atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
+    assert leftovers(dst) == []
+    ref = tmp_path / "ref"
+    atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), ref, shard_size="100KB")
+    a, b = tree_digest(dst), tree_digest(ref)
+    assert {k: v for k, v in a.items() if not k.endswith("atom_manifest.json")} == \
+        {k: v for k, v in b.items() if not k.endswith("atom_manifest.json")}
 
 
-def test_interrupt_leaves_nothing(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    _fail_writer_after(monkeypatch, 30, KeyboardInterrupt())
+@pytest.mark.parametrize("after", [0, 30], ids=["before-any-seal", "after-some-seals"])
+def test_interrupt_keeps_only_sealed_shards(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    _fail_writer_after(monkeypatch, after, KeyboardInterrupt())
     dst = tmp_path / "dst"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as ei:
         atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
-    assert_nothing_written(dst)
+    assert isinstance(ei.value, Interrupted) and ei.value.exit_code == 130
+    assert not dst.exists()
+    staging = tmp_path / ".dst.atom-partial"
+    if after == 0:
+        assert "nothing was kept" in str(ei.value)
+        assert_nothing_written(dst)
+        return
+    assert str(staging) in str(ei.value) and "again" in str(ei.value)
+    assert leftovers(dst) == [staging.name]
+    assert not [p for p in staging.rglob("*.partial")]
+    monkeypatch.undo()
+    atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    assert leftovers(dst) == []
 
 
 def test_cli_write_failure_is_internal_error(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
@@ -601,7 +649,7 @@ def test_force_replacement_failing_at_the_final_rename_keeps_old_dst(
 
     def rename(a: Any, b: Any) -> None:
         calls["n"] += 1
-        if Path(a).name.startswith(f".{dst.name}.tmp-") and Path(b) == dst:
+        if Path(a).name == f".{dst.name}.atom-partial" and Path(b) == dst:
             raise OSError(16, "Device or resource busy")
         real(a, b)
 

@@ -6,16 +6,19 @@ Set ATOM_CONVERT_DEBUG=1 to see tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Iterator
 
 import click
 
-from ..errors import AtomConvertError
+from ..errors import AtomConvertError, Interrupted
 from ..profile import PROFILES
 from ..quant.formats import TARGETS
 
@@ -48,7 +51,13 @@ def cli() -> None:
               help="Tensor-parallel size: one set of shards per rank.")
 @click.option("--shard-size", default="5GB", show_default=True, help="Upper bound per shard file, e.g. 5GB, 500MB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shape, bytes, shard); write nothing.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--force", is_flag=True,
+              help="Replace DST if it exists and is an earlier atom-convert output (or empty); never anything else.")
+@click.option("--resume", is_flag=True,
+              help="Continue the conversion an interrupted run left beside DST (a plain rerun does too, and says "
+                   "so); refused if the source or the options changed.")
+@click.option("--restart", is_flag=True, help="Discard what an interrupted run left beside DST and start over.")
+@click.option("--wait", is_flag=True, help="If another conversion into DST is running, wait for it instead of failing.")
 @click.option("--no-mtp", is_flag=True, help="Drop the DeepSeek-V3/R1 MTP layer instead of converting it to DST/mtp/.")
 @click.option("--mla-bmm", type=click.Choice(["fp8", "mxfp4"]), default="fp8", show_default=True,
               help="Format of the MLA operands W_K/W_V: fp8 (ATOM default) or mxfp4 (gfx950, the layout of "
@@ -72,10 +81,15 @@ def cli() -> None:
               help="Memory budget for the workers' working sets, e.g. 16GB [default: half of the available "
                    "memory]; workers wait rather than exceed it.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, no_mtp: bool,
-            mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str, mori: bool, profile: str,
-            workers: int | None, max_memory: str | None, allow_nonfinite: bool, as_json: bool) -> None:
-    """Convert the checkpoint in SRC into ATOM's layout in DST."""
+def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, resume: bool,
+            restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str,
+            mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, max_memory: str | None,
+            as_json: bool) -> None:
+    """Convert the checkpoint in SRC into ATOM's layout in DST.
+
+    Shards are staged in .DST.atom-partial/ beside DST and sealed one by one; an interrupted
+    conversion (Ctrl-C, SIGTERM, a kill, disk full) is continued by running the same command
+    again. One conversion per DST at a time (a lock file beside DST)."""
     from ..convert import convert as run_convert
     from ..convert import plan_summary
 
@@ -87,9 +101,20 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
         else:
             _print_plan(plan)
         return
-    m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
-                    progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, workers=workers,
-                    max_memory=max_memory, allow_nonfinite=allow_nonfinite, **par)
+    if resume and restart:
+        raise click.UsageError("--resume and --restart exclude each other")
+    mode = "resume" if resume else "restart" if restart else "auto"
+    with _signals_interrupt():
+        try:
+            m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
+                            progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, resume=mode, wait=wait,
+                            notify=lambda line: click.echo(line, err=True), workers=workers,
+                            max_memory=max_memory, allow_nonfinite=allow_nonfinite, **par)
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            text = (e.message if isinstance(e, Interrupted) else "") or "interrupted; nothing was written"
+            click.echo(f"error: {text}", err=True)
+            raise SystemExit(128 + signum) from None
     bad = m["value_checks"]["warnings"]
     if bad:
         click.echo(f"warning: {len(bad)} tensor(s) hold non-finite or invalid values, converted as they are "
@@ -106,6 +131,25 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
                f"{_human(total)} in {m['conversion_seconds']:.1f} s -> {dst}")
     if m["mtp"]["status"] == "converted":
         click.echo(f"MTP layer: {m['mtp']['tensors']} tensors in {dst / m['mtp']['path']}")
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's timeout, kubectl delete) stops a conversion as Ctrl-C does.
+
+    A signal the parent set to be ignored (nohup, a background job) stays ignored."""
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[sig] = signal.signal(sig, on_term)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _human(n: float) -> str:
@@ -236,9 +280,15 @@ def demo(out: Path, target: str, tp: int, preset: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="atom-convert", standalone_mode=False)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # click turns Ctrl-C outside `convert` into Abort
+            click.echo("error: interrupted", err=True)
+            sys.exit(128 + getattr(e.__context__, "signum", signal.SIGINT))
         click.echo("aborted", err=True)
         sys.exit(1)
+    except KeyboardInterrupt as e:
+        click.echo("error: interrupted", err=True)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     except click.ClickException as e:
         e.show()
         sys.exit(2)  # usage errors
