@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .errors import BadInputError
@@ -186,6 +185,8 @@ _run_lock = threading.Lock()
 
 def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None,
                 chunk_bytes: int | None, reader: str | None = None) -> str:
+    import numpy as np  # here, not at import time: only this GPU path needs it
+
     threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
     chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
