@@ -1,7 +1,7 @@
 """atom-convert: DeepSeek V2/V3/R1 and Kimi-K2 checkpoints into the ROCm ATOM
 runtime's post-load weight layout, once, offline.
 
-Public API: `convert`, `open_converted`, `AtomConvertError`.
+Public API: `convert`, `open_converted`, `upload`, `AtomConvertError`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from .convert import convert  # noqa: E402
 from .errors import AtomConvertError, BadInputError  # noqa: E402
+from .hub import upload  # noqa: E402
 from .reader import ConvertedCheckpoint, open_converted  # noqa: E402
 
-__all__ = ["convert", "open_converted", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]
+__all__ = ["convert", "open_converted", "upload", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]

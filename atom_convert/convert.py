@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,8 @@ from .profile import get_profile
 from .quant.formats import TARGETS
 from .source import SourceCheckpoint
 from .writer import ShardSetWriter, WrittenFile
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
@@ -135,6 +138,7 @@ def _write_set(layout: SetLayout, directory: Path, plan: ConversionPlan, progres
     writer = ShardSetWriter(directory, layout.shards + [layout.common], layout.plan.outputs(), on_bytes=progress)
     try:
         for group in layout.plan.groups:
+            log.debug("%s: converting", group.key)
             for rank in range(tp):
                 cache: dict[str, Any] = {}
                 for out in group.outputs:
@@ -197,11 +201,13 @@ def _staging(dst: Path) -> Iterator[Path]:
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
             shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
-            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False) -> dict[str, Any]:
+            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False,
+            revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
-        src: checkpoint folder (config.json plus model.safetensors or an index and shards).
+        src: checkpoint folder (config.json plus model.safetensors or an index and shards), or a Hugging
+            Face repo id `org/name[@revision]`: downloaded while converting (`hub.py`).
         dst: output folder; must not exist unless `force`.
         target: "gfx950" (MI355, e4m3fn) or "gfx942" (MI300/MI325, e4m3fnuz).
         tp: ATOM's `-tp`: the number of GPUs; one set of shards per rank.
@@ -219,7 +225,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             MLA operands W_K/W_V.
 
     Returns:
-        The manifest (also written to `dst/atom_manifest.json`).
+        The manifest (also written to `dst/atom_manifest.json`); when pulled from `hub_cache`, the
+        repo's manifest plus `pulled_from` (the repo id).
 
     Example:
         >>> import atom_convert
@@ -230,42 +237,76 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     _large_allocations_via_mmap()
     if dst.exists() and not force:
         raise DestinationExistsError(f"destination {dst} already exists; pass --force (force=True) to replace it")
-    source = SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
-                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
-    main, mtp_layout = layout_shards(plan, parse_size(shard_size))
-    total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common] for s in r)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
+    from .hub import conversion_options, conversion_record, open_source, pull_converted
+
+    source = open_source(src, revision)
+    bar = None
     try:
+        plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
+                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+        main, mtp_layout = layout_shards(plan, parse_size(shard_size))
+        record = conversion_record(source, conversion_options(
+            target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
+            shared_experts=shared_experts, mori=mori))
+        if hub_cache is not None:
+            pulled = pull_converted(hub_cache, record["content_key"], dst)
+            if pulled is not None:
+                return {**pulled, "pulled_from": hub_cache}
+        source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
+        total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common]
+                    for s in r)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
         with _staging(dst) as tmp:
-            mtp_manifest = None
-            if mtp_layout is not None:
-                files, where = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source)
-                copied = _copy_side_files(source.path, tmp / MTP_DIR)
-                mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
-                write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
+            # The main set first: it reads the shards in file order, so a source still downloading
+            # is converted as it arrives; the MTP layer lives in the last shards.
             files, where = _write_set(main, tmp, plan, bar.update, source)
             copied = _copy_side_files(source.path, tmp)
+            mtp_manifest = None
+            if mtp_layout is not None:
+                mfiles, mwhere = _write_set(mtp_layout, tmp / MTP_DIR, plan, bar.update, source)
+                mcopied = _copy_side_files(source.path, tmp / MTP_DIR)
+                mtp_manifest = build_manifest(plan, mtp_layout.plan, source, mfiles, mwhere, mcopied, role="mtp")
+                write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
             manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
                                       mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
                                       seconds=time.perf_counter() - t0)
+            manifest["conversion"] = record
             write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
     finally:
-        bar.close()
-        source.release()
+        if bar is not None:
+            bar.close()
+        source.close()
     return manifest
+
+
+def _read_order(plan: ConversionPlan, source: SourceCheckpoint) -> list[str]:
+    """Source files in the order the conversion first reads them."""
+    order: dict[str, None] = {}
+    for mp in (plan.main, plan.mtp):
+        for o in mp.outputs() if mp is not None else []:
+            for name in o.sources:
+                if name in source:
+                    order.setdefault(source.info(name).file, None)
+    return list(order)
 
 
 def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "gfx950", *, tp: int = 1,
                  shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
                  profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
-                 mori: bool = False) -> dict[str, Any]:
+                 mori: bool = False, revision: str | None = None) -> dict[str, Any]:
     """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
-    tensor appears once, as rank "common"), and the parallel block; reads no tensor data.
-    `src` may be an open SourceCheckpoint (its header index is then reused)."""
-    source = src if isinstance(src, SourceCheckpoint) else SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
-                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    tensor appears once, as rank "common"), and the parallel block; reads no tensor data (for a Hub
+    repo: its configs, index and shard headers only). `src` may be an open SourceCheckpoint (its
+    header index is then reused, and it stays open)."""
+    from .hub import open_source
+
+    source = src if isinstance(src, SourceCheckpoint) else open_source(src, revision)
+    try:
+        plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
+                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    finally:
+        if source is not src:
+            source.close()
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
     sets = []
     for role, lay in (("main", main), ("mtp", mtp_layout)):

@@ -73,6 +73,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 class SourceCheckpoint:
     """The tensors of one checkpoint directory, indexed by name, read lazily."""
 
+    hub: dict[str, str] | None = None  # repo_id, revision, commit when the folder is a Hub snapshot
+
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_dir():
@@ -103,10 +105,10 @@ class SourceCheckpoint:
                 raise CheckpointError(f"{INDEX_NAME}: unreadable or has no weight_map ({e})") from None
             files = sorted(set(weight_map.values()))
             for f in files:
-                if not (self.path / f).is_file():
+                if not self._file_present(f):
                     n = sum(1 for v in weight_map.values() if v == f)
                     problems.append(f"{INDEX_NAME} names {f} ({n} tensors), but the file does not exist")
-        elif (self.path / SINGLE_NAME).is_file():
+        elif self._file_present(SINGLE_NAME):
             files = [SINGLE_NAME]
         else:
             raise CheckpointError(
@@ -118,7 +120,7 @@ class SourceCheckpoint:
         self.files = files
         for f in files:
             try:
-                header, _ = read_safetensors_header(self.path / f)
+                header = self._read_header(f)
             except CheckpointError as e:
                 problems.extend(e.problems)
                 continue
@@ -147,6 +149,20 @@ class SourceCheckpoint:
                     problems.append(f"{info.file} holds {name}, which {INDEX_NAME} does not list")
         if problems:
             raise CheckpointError(problems)
+
+    # Hooks for a source whose files are still arriving (hub.HubSource): where the headers come
+    # from, whether a file exists, and the wait before a file's data is first read.
+    def _file_present(self, file: str) -> bool:
+        return (self.path / file).is_file()
+
+    def _read_header(self, file: str) -> dict[str, Any]:
+        return read_safetensors_header(self.path / file)[0]
+
+    def begin(self, file_order: list[str]) -> None:
+        """Called once the plan is known, with the files in the order conversion reads them."""
+
+    def close(self) -> None:
+        self.release()
 
     # -- access ------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
