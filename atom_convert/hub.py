@@ -426,7 +426,7 @@ def card_metadata(manifest: dict[str, Any], base_model: str | None) -> dict[str,
     conv = manifest.get("conversion") or {}
     par = manifest.get("parallel") or {}
     tags = ["atom", "rocm", "mla", "atom-convert", src["architecture"], src["model_type"], src["quant_format"],
-            manifest["target"], f"tp{manifest['tp_size']}"] + (["ep"] if par.get("ep") else []) \
+            manifest["target"], f"tp{manifest['tp_size']}"] + ([f"ep{par['ep']}"] if par.get("ep", 1) > 1 else []) \
         + (["dp-attention"] if par.get("dp_attention") else [])
     meta: dict[str, Any] = {
         "library_name": "atom-convert",
@@ -438,7 +438,7 @@ def card_metadata(manifest: dict[str, Any], base_model: str | None) -> dict[str,
             "quant_format": src["quant_format"],
             "target": manifest["target"],
             "tp": manifest["tp_size"],
-            "ep": bool(par.get("ep")),
+            "ep": int(par.get("ep", 1)),  # the expert-parallel size; 1: experts split by MoE-TP
             "dp_attention": bool(par.get("dp_attention")),
             "layout_revision": {"atom": manifest["layout"]["atom_revision"],
                                 "aiter": manifest["layout"]["aiter_revision"],
@@ -512,7 +512,7 @@ atom-convert convert {conv.get('source', what)} ./converted --target {manifest['
 |---|---|
 | source | `{conv.get('source', src.get('path'))}` ({src['architecture']}, `{src['model_type']}`, {src['quant_format']}) |
 | target | {manifest['target']} (fp8 `{manifest['fp8_dtype']}`) |
-| parallel | tp={manifest['tp_size']}, ep={bool((manifest.get('parallel') or {}).get('ep'))}, dp_attention={bool((manifest.get('parallel') or {}).get('dp_attention'))} |
+| parallel | tp={manifest['tp_size']}, ep={(manifest.get('parallel') or {}).get('ep', 1)}, dp_attention={bool((manifest.get('parallel') or {}).get('dp_attention'))} |
 | ATOM layout revision | `{manifest['layout']['atom_revision']}` (aiter `{manifest['layout']['aiter_revision']}`), manifest format {manifest['format_version']} |
 | tool version | atom-convert {manifest['tool_version']} |
 | MTP | {manifest.get('mtp', {}).get('status')} |

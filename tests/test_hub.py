@@ -287,7 +287,7 @@ def test_upload_with_model_card(hub: FakeHub, hub_converted: Path) -> None:
     assert {"atom", "rocm", "mla", "gfx950", "tp2", "DeepseekV3ForCausalLM", "bf16"} <= set(meta["tags"])
     ac = meta["atom_convert"]
     assert ac["content_key"] == manifest["conversion"]["content_key"]
-    assert (ac["target"], ac["tp"], ac["quant_format"]) == ("gfx950", 2, "bf16")
+    assert (ac["target"], ac["tp"], ac["ep"], ac["quant_format"]) == ("gfx950", 2, 1, "bf16")
     assert ac["layout_revision"]["atom"] == manifest["layout"]["atom_revision"]
     assert ac["source_commit"] == manifest["source"]["hub"]["commit"]
     assert manifest["conversion"]["command"] in card.text
