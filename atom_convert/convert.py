@@ -40,7 +40,7 @@ from tqdm import tqdm
 from . import loaders, quant
 from . import workers as workers_mod
 from .errors import BadInputError, Interrupted, UnsupportedError
-from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, options_fingerprint, source_fingerprint
+from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, Fingerprint, options_fingerprint, source_fingerprint
 from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
@@ -52,6 +52,8 @@ from .source import SourceCheckpoint
 from .staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
                       os_error_message, plan_digest, remove_created)
 from .writer import FaultHook, ShardSetWriter, WrittenFile, _IOThread, header_digest
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
@@ -155,6 +157,7 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
     def convert_item(item: workers_mod.Item, io: object) -> None:
         assert isinstance(io, _IOThread)
         writer.use_io(io)
+        log.debug("%s (rank %d): converting", item.group.key, item.rank)
         try:
             cache: dict[str, Any] = {}
             for out in item.group.outputs:
@@ -221,11 +224,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
             dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, resume: str = "auto",
             wait: bool = False, notify: Callable[[str], None] | None = None, workers: int | None = 1,
-            max_memory: int | str | None = None, allow_nonfinite: bool = False) -> dict[str, Any]:
+            max_memory: int | str | None = None, allow_nonfinite: bool = False, revision: str | None = None,
+            hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
-        src: checkpoint folder (config.json plus model.safetensors or an index and shards).
+        src: checkpoint folder (config.json plus model.safetensors or an index and shards), or a Hugging
+            Face repo id `org/name[@revision]`: downloaded while converting (`hub.py`).
         dst: output folder; must not exist unless `force`. Missing parents are created (mkdir -p).
         target: "gfx950" (MI355, e4m3fn) or "gfx942" (MI300/MI325, e4m3fnuz).
         tp: ATOM's `-tp`: the number of GPUs; one set of shards per rank.
@@ -255,7 +260,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             `value_checks.warnings`.
 
     Returns:
-        The manifest (also written to `dst/atom_manifest.json`).
+        The manifest (also written to `dst/atom_manifest.json`); when pulled from `hub_cache`, the
+        repo's manifest plus `pulled_from` (the repo id).
 
     Raises:
         BadInputError: bad input or options, a destination that may not be replaced, a running
@@ -275,15 +281,30 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     if workers < 1:
         raise BadInputError(f"workers must be >= 1, got {workers}")
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
-    paths = check_destination(src, dst, force)
+    from .hub import conversion_options, conversion_record, open_source, pull_converted
+
     _large_allocations_via_mmap()
-    source = SourceCheckpoint(src, allow_nonfinite=allow_nonfinite)
+    # A repo id resolves to its local snapshot folder (headers by ranged requests; shards download
+    # while converting, hub.py); the destination checks then compare DST with that folder.
+    source = open_source(src, revision, allow_nonfinite=allow_nonfinite)
+    paths = None
     try:
+        paths = check_destination(source.path, dst, force)
         plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
                          dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
         main, mtp_layout = layout_shards(plan, size)
+        record = conversion_record(source, conversion_options(
+            target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
+            shared_experts=shared_experts, mori=mori))
+        if hub_cache is not None:
+            pulled = pull_converted(hub_cache, record["content_key"], dst)
+            if pulled is not None:
+                return {**pulled, "pulled_from": hub_cache}
         planned = _planned_shards(main, mtp_layout)
-        header = {"source": source_fingerprint(source.path).as_dict(),
+        # A Hub source is content-addressed by its commit (its shards may not be downloaded yet).
+        source_fp = (Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"}) if source.hub
+                     else source_fingerprint(source.path))
+        header = {"source": source_fp.as_dict(),
                   "options": options_fingerprint(target=target, tp=tp, shard_size=size, mtp=mtp, mla_bmm=mla_bmm,
                                                  profile=profile, ep=ep, dp_attention=dp_attention,
                                                  shared_experts=shared_experts, mori=mori).as_dict(),
@@ -295,24 +316,25 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 staging = Staging(paths, note)
                 staging.recover_swap()
                 check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
+                source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
                 return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
-                            workers, budget)
+                            workers, budget, record)
         except BaseException:
             if not os.path.lexists(paths.staging):
                 remove_created(created)
             raise
     except OSError as e:
-        msg = os_error_message(e, None, paths)
+        msg = os_error_message(e, None, paths) if paths is not None else None
         if msg is None:
             raise
         raise BadInputError(msg[0]) from e
     finally:
-        source.release()
+        source.close()
 
 
 def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, source: SourceCheckpoint,
          staging: Staging, header: dict[str, Any], planned: dict[str, str], resume: str, progress: bool,
-         t0: float, workers: int, budget: int) -> dict[str, Any]:
+         t0: float, workers: int, budget: int, record: dict[str, Any]) -> dict[str, Any]:
     """Steps 4-6 of the module docstring, under the lock; the failure policy is here."""
     fault = FaultHook.from_env()
     try:
@@ -326,18 +348,21 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
                 for s in r)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
     try:
-        mtp_manifest = None
-        if mtp_layout is not None:
-            files, where = _write_set(mtp_layout, tmp, MTP_DIR, plan, bar.update, source, staging, kept, fault,
-                                      workers, budget)
-            copied = _copy_side_files(source.path, tmp / MTP_DIR)
-            mtp_manifest = build_manifest(plan, mtp_layout.plan, source, files, where, copied, role="mtp")
-            write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
+        # The main set first: it reads the shards in file order, so a source still downloading
+        # is converted as it arrives; the MTP layer lives in the last shards.
         files, where = _write_set(main, tmp, "", plan, bar.update, source, staging, kept, fault, workers, budget)
         copied = _copy_side_files(source.path, tmp)
+        mtp_manifest = None
+        if mtp_layout is not None:
+            mfiles, mwhere = _write_set(mtp_layout, tmp, MTP_DIR, plan, bar.update, source, staging, kept, fault,
+                                        workers, budget)
+            mcopied = _copy_side_files(source.path, tmp / MTP_DIR)
+            mtp_manifest = build_manifest(plan, mtp_layout.plan, source, mfiles, mwhere, mcopied, role="mtp")
+            write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
         manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",
                                   mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
                                   seconds=time.perf_counter() - t0)
+        manifest["conversion"] = record
         write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
         staging.commit()
         return manifest
@@ -373,16 +398,34 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
         bar.close()
 
 
+def _read_order(plan: ConversionPlan, source: SourceCheckpoint) -> list[str]:
+    """Source files in the order the conversion first reads them."""
+    order: dict[str, None] = {}
+    for mp in (plan.main, plan.mtp):
+        for o in mp.outputs() if mp is not None else []:
+            for name in o.sources:
+                if name in source:
+                    order.setdefault(source.info(name).file, None)
+    return list(order)
+
+
 def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "gfx950", *, tp: int = 1,
                  shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
                  profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
-                 mori: bool = False) -> dict[str, Any]:
+                 mori: bool = False, revision: str | None = None) -> dict[str, Any]:
     """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
-    tensor appears once, as rank "common"), and the parallel block; reads no tensor data.
-    `src` may be an open SourceCheckpoint (its header index is then reused)."""
-    source = src if isinstance(src, SourceCheckpoint) else SourceCheckpoint(src)
-    plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
-                     dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    tensor appears once, as rank "common"), and the parallel block; reads no tensor data (for a Hub
+    repo: its configs, index and shard headers only). `src` may be an open SourceCheckpoint (its
+    header index is then reused, and it stays open)."""
+    from .hub import open_source
+
+    source = src if isinstance(src, SourceCheckpoint) else open_source(src, revision)
+    try:
+        plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
+                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    finally:
+        if source is not src:
+            source.close()
     main, mtp_layout = layout_shards(plan, parse_size(shard_size))
     sets = []
     for role, lay in (("main", main), ("mtp", mtp_layout)):

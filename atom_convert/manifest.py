@@ -236,6 +236,7 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
             "config_sha256": index_files["config.json"]["sha256"],
             "index_files": index_files,
             "files": src.file_sizes(),
+            **({"hub": dict(src.hub)} if src.hub else {}),  # repo_id, revision asked, commit resolved
         },
         "model": {
             "num_hidden_layers": spec.n_layers,

@@ -201,6 +201,8 @@ class SourceCheckpoint:
     snapshot's links point into the cache's `blobs/` folder.
     """
 
+    hub: dict[str, str] | None = None  # repo_id, revision, commit when the folder is a Hub snapshot
+
     def __init__(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False):
         self.path = Path(path)
         # Every read is checked for NaN/Inf and fp8 NaN codes (quant/values.py); codecs add
@@ -311,7 +313,7 @@ class SourceCheckpoint:
         self.files = files
         for f in files:
             try:
-                header, _ = read_safetensors_header(self.path / f)
+                header = self._read_header(f)
             except CheckpointError as e:
                 problems.extend(e.problems)
                 continue
@@ -340,6 +342,20 @@ class SourceCheckpoint:
                     problems.append(f"{info.file} holds {name}, which {INDEX_NAME} does not list")
         if problems:
             raise CheckpointError(problems)
+
+    # Hooks for a source whose files are still arriving (hub.HubSource): where the headers come
+    # from, whether a file exists, and the wait before a file's data is first read.
+    def _file_present(self, file: str) -> bool:
+        return (self.path / file).is_file()
+
+    def _read_header(self, file: str) -> dict[str, Any]:
+        return read_safetensors_header(self.path / file)[0]
+
+    def begin(self, file_order: list[str]) -> None:
+        """Called once the plan is known, with the files in the order conversion reads them."""
+
+    def close(self) -> None:
+        self.release()
 
     # -- access ------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:

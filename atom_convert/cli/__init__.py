@@ -42,8 +42,9 @@ def cli() -> None:
     "atom-convert convert ./Kimi-K2-Thinking-MXFP4 ./kimi-mxfp4-atom --target gfx950 --tp 4 --mla-bmm mxfp4",
     "atom-convert convert ./DeepSeek-R1 ./r1-tp8-ep --tp 8 --ep",
     "atom-convert convert ./DeepSeek-R1 ./r1-dpa-ep --tp 8 --dp-attention --ep",
+    "atom-convert convert deepseek-ai/DeepSeek-R1 ./r1-atom --tp 8 --hub-cache my-org/DeepSeek-R1-atom-gfx950-tp8",
 ))
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--target", type=click.Choice(TARGETS), default="gfx950", show_default=True,
               help="GPU: gfx950 (MI355X, fp8 e4m3fn) or gfx942 (MI300X/MI325X, fp8 e4m3fnuz).")
@@ -80,12 +81,17 @@ def cli() -> None:
 @click.option("--max-memory", default=None,
               help="Memory budget for the workers' working sets, e.g. 16GB [default: half of the available "
                    "memory]; workers wait rather than exceed it.")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub repo SRC (or write SRC as org/name@rev).")
+@click.option("--hub-cache", default=None, metavar="REPO_ID",
+              help="A Hub repo of converted shards (org/name[@rev]): downloaded and checked instead of converting "
+                   "when its content key matches this conversion.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, resume: bool,
+def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, resume: bool,
             restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str,
             mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, max_memory: str | None,
-            as_json: bool) -> None:
-    """Convert the checkpoint in SRC into ATOM's layout in DST.
+            revision: str | None, hub_cache: str | None, as_json: bool) -> None:
+    """Convert the checkpoint in SRC (a folder, or a Hugging Face repo id org/name[@revision], downloaded
+    while converting) into ATOM's layout in DST.
 
     Shards are staged in .DST.atom-partial/ beside DST and sealed one by one; an interrupted
     conversion (Ctrl-C, SIGTERM, a kill, disk full) is continued by running the same command
@@ -95,7 +101,8 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
 
     par = dict(ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
     if dry_run:
-        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm, **par)
+        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm,
+                            revision=revision, **par)
         if as_json:
             click.echo(json.dumps(plan, indent=1))
         else:
@@ -109,23 +116,29 @@ def convert(src: Path, dst: Path, target: str, tp: int, shard_size: str, dry_run
             m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
                             progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, resume=mode, wait=wait,
                             notify=lambda line: click.echo(line, err=True), workers=workers,
-                            max_memory=max_memory, allow_nonfinite=allow_nonfinite, **par)
+                            max_memory=max_memory, allow_nonfinite=allow_nonfinite, revision=revision,
+                            hub_cache=hub_cache, **par)
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             text = (e.message if isinstance(e, Interrupted) else "") or "interrupted; nothing was written"
             click.echo(f"error: {text}", err=True)
             raise SystemExit(128 + signum) from None
-    bad = m["value_checks"]["warnings"]
+    bad = m.get("value_checks", {}).get("warnings", [])  # a manifest pulled from a Hub cache may predate them
     if bad:
         click.echo(f"warning: {len(bad)} tensor(s) hold non-finite or invalid values, converted as they are "
                    f"(--allow-nonfinite); recorded in {dst / 'atom_manifest.json'} under value_checks:", err=True)
         for w in bad:
             click.echo(f"  {w['file']}: {w['tensor']}: {w['problem']} at {w['first_index']} ({w['value']})", err=True)
     if as_json:
-        click.echo(json.dumps({k: m[k] for k in ("target", "tp_size", "parallel", "files", "mtp", "conversion_seconds")},
-                              indent=1))
+        click.echo(json.dumps({k: m.get(k) for k in ("target", "tp_size", "parallel", "files", "mtp",
+                                                       "conversion_seconds", "conversion", "pulled_from")}, indent=1))
         return
     total = sum(f["bytes"] for f in m["files"].values())
+    if m.get("pulled_from"):
+        click.echo(f"pulled {m['source']['architecture']} for {m['target']} tp={m['tp_size']} from {m['pulled_from']} "
+                   f"(content key {m['conversion']['content_key'][:19]}...): {len(m['files'])} files, {_human(total)}, "
+                   f"checked against the manifest -> {dst}")
+        return
     click.echo(f"converted {m['source']['architecture']} ({m['source']['model_type']}, {m['source']['quant_format']}) "
                f"for {m['target']} tp={m['tp_size']}: {len(m['tensors'])} tensors per rank, {len(m['files'])} files, "
                f"{_human(total)} in {m['conversion_seconds']:.1f} s -> {dst}")
@@ -242,6 +255,40 @@ def _report(r: Any, as_json: bool) -> None:
         click.echo("OK" if r.ok else f"{len(r.failures)} problem(s)")
     if not r.ok:
         raise SystemExit(1)
+
+
+@cli.command(epilog=_examples(
+    "atom-convert upload ./r1-atom my-org/DeepSeek-R1-atom-gfx950-tp8 --private",
+    "atom-convert upload ./r1-atom my-org/DeepSeek-R1-atom-gfx950-tp8 --create-pr",
+    "atom-convert upload ./r1-atom my-org/DeepSeek-R1-atom-gfx950-tp8 --dry-run",
+))
+@click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo private (when it does not exist yet).")
+@click.option("--revision", default=None, help="Branch to upload to (created from main when missing).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing to it.")
+@click.option("--base-model", default=None,
+              help="base_model in the card's metadata (default: the source repo id the manifest records).")
+@click.option("--dry-run", is_flag=True, help="Check the files and print them, their sizes and the model card; "
+                                             "send nothing.")
+def upload(dst: Path, repo_id: str, private: bool, revision: str | None, create_pr: bool, base_model: str | None,
+           dry_run: bool) -> None:
+    """Publish the converted directory DST to the Hub repo REPO_ID with a model card (README.md).
+    DST's files must match its manifest (sizes and sha256). Re-running after an interruption
+    skips the files the Hub already holds. HF_TOKEN (or `hf auth login`) gives write access."""
+    from ..hub import upload as run_upload
+
+    r = run_upload(dst, repo_id, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run,
+                   base_model=base_model)
+    if dry_run:
+        click.echo(f"would upload {len(r.files)} files ({_human(sum(n for _, n in r.files))}) to {repo_id}:")
+        for name, n in r.files:
+            click.echo(f"  {n:>14}  {name}")
+        click.echo("\nmodel card (README.md):\n")
+        click.echo(r.card)
+        return
+    click.echo(f"uploaded {len(r.files)} files ({_human(sum(n for _, n in r.files))}) to {repo_id}: "
+               f"{r.pr_url or r.commit_url}")
 
 
 @cli.command(epilog=_examples("atom-convert demo", "atom-convert demo ./demo-out --target gfx942 --tp 2"))
