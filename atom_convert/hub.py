@@ -27,22 +27,26 @@ How it works:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from . import __version__
 from .errors import BadInputError, CheckpointError, ConvertedCheckError
 from .manifest import AITER_REVISION, ATOM_REVISION, FORMAT_VERSION, MANIFEST_NAME, sha256_file
+from .fingerprint import SIDE_FILES
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
+from .staging import OLD_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +55,6 @@ CARD_NAME = "README.md"
 DOWNLOAD_WORKERS = 4  # shards downloaded at once; the Hub serves each connection at a few hundred MB/s
 
 # What a conversion needs from a source repo (besides the *.py files the configs' auto_map name).
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-              "chat_template.jinja", "tiktoken.model")
 _REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[^@\s]+))?$")
 
 
@@ -381,6 +382,34 @@ def conversion_record(src: SourceCheckpoint, options: dict[str, Any]) -> dict[st
 # ------------------------------------------------------------------------------------------------
 
 
+PULL_SUFFIX = ".atom-pull"  # beside DST while a pull downloads (staging.py names the others)
+
+
+@contextlib.contextmanager
+def _pull_into(dst: Path) -> Iterator[Path]:
+    """A directory beside DST that becomes DST only when complete; removed on any failure.
+    An existing DST was already checked by convert() (an earlier conversion or empty, with --force)."""
+    dst = Path(os.path.abspath(dst))
+    tmp = dst.parent / f".{dst.name}{PULL_SUFFIX}"
+    if os.path.lexists(tmp):
+        raise BadInputError(f"{tmp} exists: another pull into {dst} runs, or one was interrupted; remove {tmp} "
+                            "(atom-convert's own download folder) and run again")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dst.exists():
+            old = dst.parent / f".{dst.name}{OLD_SUFFIX}"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def pull_converted(repo: str, key: str, dst: str | Path) -> dict[str, Any] | None:
     """Download the converted repo `repo` (`org/name[@revision]`) into `dst` when its manifest carries
     `key`; every file is then checked against the manifest (size, sha256). Returns the manifest, or
@@ -390,7 +419,6 @@ def pull_converted(repo: str, key: str, dst: str | Path) -> dict[str, Any] | Non
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
     from .check import check_files
-    from .convert import _staging
 
     spec = parse_repo_spec(repo)
     if spec is None:
@@ -407,7 +435,7 @@ def pull_converted(repo: str, key: str, dst: str | Path) -> dict[str, Any] | Non
         return None
     files = sorted(remote.get("files", {})) + [MANIFEST_NAME]
     dst = Path(dst)
-    with _staging(dst) as tmp:
+    with _pull_into(dst) as tmp:
         try:
             snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=files, local_dir=tmp)
         except (HfHubHTTPError, OSError) as e:

@@ -94,7 +94,7 @@ class Recorder(logging.Handler):
 
         msg = record.getMessage()
         self.records.append((time.monotonic(), msg))
-        if self.gate is not None and msg == "layer.0: converting":
+        if self.gate is not None and msg == "layer.0 (rank 0): converting":
             self.gate.set()
 
 
@@ -148,7 +148,7 @@ def test_convert_from_repo_id_overlaps_download(hub: FakeHub, source_repo: str, 
         release.set()
         hub.holds.pop(LAST)
     events = hub.events[n0:]
-    started = next(t for t, msg in recorder.records if msg == "layer.0: converting")
+    started = next(t for t, msg in recorder.records if msg == "layer.0 (rank 0): converting")
     last_done = next(t for t, kind, p in events if kind == "get-done" and p == LAST)
     assert started < last_done, "layer 0 was not converted before the last shard had arrived"
     verified = [msg for _, msg in recorder.records if "downloaded and verified" in msg]
