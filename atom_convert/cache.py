@@ -153,10 +153,26 @@ def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *
     return Path(cache_dir) / name, want
 
 
+def _hub_fetch(src: str | os.PathLike[str], repo: str, **options: Any) -> Fetch:
+    """The `fetch` step for a Hub cache: pull `repo` into DST when its content key (hub.py: the
+    source's identity without tensor data, and the options that decide the bytes) is this one's."""
+    from .hub import conversion_options, conversion_record, open_source, pull_converted
+
+    def fetch(dst: Path, _want: dict[str, Any]) -> bool:
+        source = open_source(src)
+        try:
+            key = conversion_record(source, conversion_options(**options))["content_key"]
+        finally:
+            source.close()
+        return pull_converted(repo, key, dst) is not None
+
+    return fetch
+
+
 def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950",
                      tp: int = 1, shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
                      profile: str = "atom", fetch: Fetch | None = None, timeout: float | None = None,
-                     progress: bool = False) -> Path:
+                     progress: bool = False, hub_cache: str | None = None) -> Path:
     """The converted directory for `src` and these options inside `cache_dir`, converting only when it
     is missing or stale. Safe to call from every rank of a server at once: one converts, the others
     wait and return the same path.
@@ -169,6 +185,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
             place a complete converted directory at `dst` for `record` (source and options
             fingerprints) and return True, or return False to let the source be converted.
         timeout: seconds to wait for another process's conversion (None: as long as it takes).
+        hub_cache: a Hub repo of converted shards (`org/name[@revision]`, see `atom-convert upload`):
+            when its content key matches this source and these options, it is downloaded and
+            checked instead of converting (the `fetch` step; hub.pull_converted).
         progress: a progress bar while converting.
 
     Example:
@@ -180,6 +199,8 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     record = dst.with_name(dst.name + RECORD_SUFFIX)
     if _current(dst, record, want):
         return dst
+    if hub_cache is not None and fetch is None:
+        fetch = _hub_fetch(src, hub_cache, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _locked(dst.with_name(f".{dst.name}{LOCK_SUFFIX}"), timeout):
         if _current(dst, record, want):  # converted by the caller we waited for

@@ -359,6 +359,26 @@ def test_pull_instead_of_convert(hub: FakeHub, source_repo: str, hub_converted: 
     assert m1["conversion"]["content_key"] != m["conversion"]["content_key"]
 
 
+def test_ensure_converted_pulls_from_a_hub_cache(hub: FakeHub, source_dir: Path, tmp_path: Path,
+                                                 recorder: Recorder) -> None:
+    """Serving startup with a Hub cache: a matching converted repo is downloaded instead of converting;
+    a call with other options converts."""
+    conv = tmp_path / "conv"
+    atom_convert.convert(source_dir, conv, "gfx950", tp=2)
+    repo = "my-org/tiny-v3-local-cache"
+    atom_convert.upload(conv, repo)
+    n = len(recorder.records)
+    got = atom_convert.ensure_converted(source_dir, tmp_path / "cache", target="gfx950", tp=2, hub_cache=repo)
+    assert not any("converting" in msg for _, msg in recorder.records[n:]), "converted although the cache matched"
+    m = json.loads((got / "atom_manifest.json").read_text())
+    for name in m["files"]:
+        assert (got / name).read_bytes() == (conv / name).read_bytes(), name
+    assert atom_convert.ensure_converted(source_dir, tmp_path / "cache", target="gfx950", tp=2, hub_cache=repo) == got
+    n = len(recorder.records)
+    other = atom_convert.ensure_converted(source_dir, tmp_path / "cache", target="gfx942", tp=2, hub_cache=repo)
+    assert other != got and any("converting" in msg for _, msg in recorder.records[n:])
+
+
 def test_pull_refuses_a_corrupt_cache_repo(hub: FakeHub, source_repo: str, hub_converted: Path, hf_cache: Path,
                                           tmp_path: Path) -> None:
     from huggingface_hub import HfApi
