@@ -592,8 +592,10 @@ def test_interrupt_keeps_only_sealed_shards(tiny_checkpoint: Callable[..., Path]
                                             monkeypatch: pytest.MonkeyPatch, after: int) -> None:
     _fail_writer_after(monkeypatch, after, KeyboardInterrupt())
     dst = tmp_path / "dst"
+    # Small shards: some are sealed within the first 30 tensors (the main set is written first,
+    # so with the default size its one shard per rank would still be open).
     with pytest.raises(KeyboardInterrupt) as ei:
-        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
     assert isinstance(ei.value, Interrupted) and ei.value.exit_code == 130
     assert not dst.exists()
     staging = tmp_path / ".dst.atom-partial"
@@ -605,7 +607,7 @@ def test_interrupt_keeps_only_sealed_shards(tiny_checkpoint: Callable[..., Path]
     assert leftovers(dst) == [staging.name]
     assert not [p for p in staging.rglob("*.partial")]
     monkeypatch.undo()
-    atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst)
+    atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
     assert leftovers(dst) == []
 
 
