@@ -24,6 +24,7 @@ DST is never half-written.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -33,8 +34,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch
 from tqdm import tqdm
 
 from . import loaders, quant
@@ -45,6 +47,7 @@ from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
 from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
+from .prefetch import Prefetcher
 from .profile import get_profile
 from .quant.formats import TARGETS
 from .remote_code import remote_code_files
@@ -87,6 +90,25 @@ def _large_allocations_via_mmap() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+@contextlib.contextmanager
+def _intra_op_threads(workers: int) -> Iterator[None]:
+    """Give each worker its share of the cores for torch's own intra-op threads while converting.
+
+    torch sizes its intra-op pool to every core for each thread that calls into it, so N
+    workers would run N x cores OpenMP threads, spinning against each other (BENCHMARKS.md,
+    issue 9). Process-wide in torch, hence restored afterwards.
+    """
+    before = torch.get_num_threads()
+    share = max(1, workers_mod.usable_cores() // workers)
+    if share < before:
+        torch.set_num_threads(share)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def parse_size(text: str | int) -> int:
@@ -154,17 +176,25 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
                             kept, on_bytes=progress, stop=stop, fault=fault)
     progress(writer.kept_bytes)
 
+    group_index = {id(g): i for i, g in enumerate(layout.plan.groups)}
+    ahead = Prefetcher(src, layout.plan.groups, tp) if hasattr(os, "posix_fadvise") else None
+
     def convert_item(item: workers_mod.Item, io: object) -> None:
         assert isinstance(io, _IOThread)
+        if ahead is not None:
+            ahead.reached(group_index[id(item.group)])
         writer.use_io(io)
         log.debug("%s (rank %d): converting", item.group.key, item.rank)
         try:
             cache: dict[str, Any] = {}
             for out in item.group.outputs:
                 slot = tp if plan.is_common(out) else item.rank
-                if (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
+                takes, part = item.takes(out)
+                if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
                     continue  # common: produced once; sealed by an interrupted run: not produced at all
-                writer.write(slot, out, out.produce(0 if slot == tp else item.rank, cache))
+                rank = 0 if slot == tp else item.rank
+                chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
+                writer.write(slot, out, chunks, part)
             # Wait for this item's writes: queued buffers may be views of source pages, and the
             # worker's next item must start with none of them alive (bounded working set).
             io.drain()
@@ -179,13 +209,17 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
                 io.close()
 
     try:
-        workers_mod.run_items(workers_mod.items(layout.plan.groups, tp), convert_item, workers=workers,
+        work = workers_mod.items(layout.plan.groups, tp, workers_mod.parts_per_group(workers, tp))
+        workers_mod.run_items(work, convert_item, workers=workers,
                               budget=workers_mod.Budget(max_memory, stop), stop=stop,
                               worker_state=lambda: _IOThread(stop=stop), end_worker=end_worker)
         files = writer.close()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if ahead is not None:
+            ahead.close()
     where = dict(writer.tensor_file)
     for (slot, name), f in writer.tensor_file.items():
         if slot == tp:  # every rank reads a common tensor from the same file
@@ -317,8 +351,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 staging.recover_swap()
                 check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
                 source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
-                return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
-                            workers, budget, record)
+                with _intra_op_threads(workers):
+                    return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
+                                workers, budget, record)
         except BaseException:
             if not os.path.lexists(paths.staging):
                 remove_created(created)

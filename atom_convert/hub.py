@@ -12,7 +12,7 @@ How it works:
 3. `HubSource.begin` starts the shard downloads in the order the conversion reads them, a few at a
    time, each through `hf_hub_download` (huggingface_hub's own byte bars, cache and resume) and then
    verified: size, and sha256 against the Hub's LFS oid. A file's data is read only after its
-   verification (`_handle` waits for it), so a layer is converted as soon as its shards are in while
+   verification (`_before_open` waits for it), so a layer is converted as soon as its shards are in while
    later shards are still downloading.
    Offline (HF_HUB_OFFLINE=1, or the Hub unreachable), `snapshot_download(local_files_only=True)` finds
    the cached snapshot; every file the patterns select must be there.
@@ -220,10 +220,8 @@ class HubSource(SourceCheckpoint):
         self.begin(self.files)
         return self._futures[file].result()
 
-    def _handle(self, file: str) -> Any:
-        if file not in self._handles():  # this thread's open files
-            self.wait(file)
-        return super()._handle(file)
+    def _before_open(self, file: str) -> None:
+        self.wait(file)
 
     def wait_all(self) -> None:
         for f in self.files:

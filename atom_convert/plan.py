@@ -34,6 +34,10 @@ class OutTensor:
     split: Split = REPLICATED  # how the ranks divide it (parallel.py); `produce` is called per rank
     rank_sources: list[tuple[str, ...]] | None = None  # per rank, when ranks read different sources (EP)
     chunk_bytes: int = 0  # the largest chunk `produce` yields (0: the whole tensor); sizes the memory budget
+    # > 0: the tensor is `units` equal slabs along dim 0 (a rank's experts) that `produce` can make
+    # a range of: produce(rank, cache, part=(a, b)) yields the bytes of units [a, b) only. Workers
+    # then split one layer's experts over several items (workers.py).
+    units: int = 0
 
     def sources_of(self, rank: int) -> tuple[str, ...]:
         """The source tensors rank `rank`'s copy is made from."""
@@ -46,6 +50,10 @@ class OutTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.nbytes // self.units if self.units else self.nbytes
 
 
 @dataclass

@@ -1,26 +1,30 @@
 """A lazy index of the tensors of a Hugging Face checkpoint directory.
 
 Only headers are read up front (a few KB per file); tensor data is read on
-demand through `safe_open` (mmap), a slice at a time. `release()` drops the
-handles, which unmaps the files, so the resident set stays bounded by what the
-current step holds. Handles are per thread: parallel workers each open and
-release their own, so one worker's `release()` never unmaps another's pages.
+demand as views of one copy-on-write mapping per file, shared by every worker
+thread, a slice at a time. When the last view of a read goes, its pages leave
+the process's resident set (madvise DONTNEED; they stay in the page cache), so
+the resident set stays bounded by what the current step holds. The files are
+mapped once: mapping and unmapping them per expert, per thread (safe_open),
+serialised the workers on the kernel's mmap lock (BENCHMARKS.md, issue 9).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import mmap
 import os
 import stat
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .errors import BadInputError, CheckpointError, ConfigError, json_kind
 from .quant.formats import DTYPE_FROM_ST
@@ -39,6 +43,7 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    begin: int = 0  # offset of the data in the file's data section (after the header)
 
 
 def _is_count(v: Any) -> bool:
@@ -185,6 +190,53 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, start
 
 
+_PAGE = mmap.PAGESIZE
+try:  # madvise through ctypes releases the GIL (mmap.madvise holds it): 16 workers call it per expert
+    _LIBC: Any = ctypes.CDLL(None, use_errno=True)
+    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
+    _LIBC = None
+
+
+class _MappedFile:
+    """A safetensors file mapped once, copy-on-write (as safetensors itself maps it: a stray
+    in-place op on a source view changes this process's copy, never the file)."""
+
+    def __init__(self, path: Path):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise _os_error(path, e) from None
+        try:
+            (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            self.data_start = 8 + hlen
+            self.mm = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        # The mapping's address, for madvise; this export also keeps the mapping from being
+        # closed under a tensor view (it goes with the last reference).
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.addr = ctypes.addressof(self._anchor)
+
+    def tensor(self, info: TensorInfo) -> torch.Tensor:
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        t = torch.frombuffer(self.mm, dtype=torch.uint8, count=info.nbytes, offset=self.data_start + info.begin)
+        return t.view(info.dtype).view(info.shape)
+
+    def drop(self, lo: int, hi: int) -> None:
+        """madvise(DONTNEED) on the pages holding data bytes [lo, hi): out of this process's resident
+        set, still in the page cache. A page another thread still reads is faulted in again."""
+        a = (self.data_start + lo) // _PAGE * _PAGE
+        b = min(len(self.mm), -(-(self.data_start + hi) // _PAGE) * _PAGE)
+        if b <= a:
+            return
+        if _LIBC is not None:
+            _LIBC.madvise(self.addr + a, b - a, mmap.MADV_DONTNEED)
+        else:  # pragma: no cover
+            self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
 def _under(path: Path, root: Path) -> bool:
     try:
         path.relative_to(root)
@@ -222,7 +274,11 @@ class SourceCheckpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.files: list[str] = []
         self.index_file: str | None = None
-        self._local = threading.local()  # .handles: this thread's open files
+        # One read-only (copy-on-write) mapping per file, shared by every worker thread: mapping
+        # and unmapping per expert serialised the threads on the kernel's mmap lock and TLB
+        # shootdowns. `release` drops pages from the resident set instead (madvise).
+        self._maps: dict[str, _MappedFile] = {}
+        self._maps_lock = threading.Lock()
         self._scan()
 
     # -- indexing --------------------------------------------------------------------
@@ -329,7 +385,7 @@ class SourceCheckpoint:
                     problems.append(f"tensor {name} is stored twice: in {self.tensors[name].file} and in {f}")
                     continue
                 b, e = meta["data_offsets"]
-                self.tensors[name] = TensorInfo(name, f, dt, tuple(meta["shape"]), e - b)
+                self.tensors[name] = TensorInfo(name, f, dt, tuple(meta["shape"]), e - b, b)
         if weight_map is not None:
             for name, f in weight_map.items():
                 info = self.tensors.get(name)
@@ -356,6 +412,8 @@ class SourceCheckpoint:
 
     def close(self) -> None:
         self.release()
+        with self._maps_lock:
+            self._maps.clear()  # each mapping goes when its last tensor view does
 
     # -- access ------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -367,23 +425,33 @@ class SourceCheckpoint:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    def _handles(self) -> dict[str, Any]:
-        handles = getattr(self._local, "handles", None)
-        if handles is None:
-            handles = self._local.handles = {}
-        return handles
+    def _before_open(self, file: str) -> None:
+        """Called before a file is first mapped (a Hub source waits for its download here)."""
 
-    def _handle(self, file: str) -> Any:
-        handles = self._handles()
-        h = handles.get(file)
-        if h is None:
-            h = safe_open(str(self.path / file), framework="pt", device="cpu")
-            handles[file] = h
-        return h
+    def _mapping(self, file: str) -> "_MappedFile":
+        m = self._maps.get(file)
+        if m is None:
+            self._before_open(file)  # outside the lock: a wait for one file must not stall the others
+            with self._maps_lock:
+                m = self._maps.get(file)
+                if m is None:
+                    m = self._maps[file] = _MappedFile(self.path / file)
+        return m
+
+    def _view(self, info: TensorInfo, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """The stored tensor as a view of its file's mapping, of which bytes [lo, hi) are about to
+        be read: when the last view of it goes (a consumer may hand it to the writer's thread),
+        those pages leave the resident set (`_MappedFile.drop`)."""
+        m = self._mapping(info.file)
+        t = m.tensor(info)
+        if info.nbytes:
+            weakref.finalize(t.untyped_storage(), m.drop, info.begin + lo, info.begin + (info.nbytes if hi is None else hi))
+        return t
 
     def get(self, name: str) -> torch.Tensor:
-        t = self._handle(self.tensors[name].file).get_tensor(name)
-        self.values.check(name, self.tensors[name].file, t)
+        info = self.tensors[name]
+        t = self._view(info)
+        self.values.check(name, info.file, t)
         return t
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -391,7 +459,8 @@ class SourceCheckpoint:
         info = self.tensors[name]
         if start == 0 and stop == info.shape[0]:
             return self.get(name)
-        t = self._handle(info.file).get_slice(name)[start:stop]
+        row = info.nbytes // max(1, info.shape[0])
+        t = self._view(info, start * row, stop * row)[start:stop]
         self.values.check(name, info.file, t, (start,))
         return t
 
@@ -401,15 +470,15 @@ class SourceCheckpoint:
         info = self.tensors[name]
         if start == 0 and stop == info.shape[1]:
             return self.get(name)
-        cols = self._handle(info.file).get_slice(name)[:, start:stop]
+        cols = self._view(info)[:, start:stop]
         if contiguous:
             cols = cols.contiguous()
         self.values.check(name, info.file, cols, (0, start))
         return cols
 
     def release(self) -> None:
-        """Close every file this thread opened (unmaps them; pages read so far leave the resident set)."""
-        self._handles().clear()
+        """Nothing left to do: the pages of a view leave the resident set when the view goes.
+        Kept for callers that mark the end of a step (and for subclasses)."""
 
     def file_sizes(self) -> dict[str, int]:
         return {f: (self.path / f).stat().st_size for f in self.files}

@@ -2,9 +2,11 @@
 
 How it works:
 1. A converted set is cut into items, one per (group, rank): a decoder layer's
-   tensors for one rank. Items are handed out in load order (group-major, so
-   at tp=8 sixteen workers hold two layers, not sixteen), each to the next free
-   worker thread. Torch ops, file writes, reads and hashlib release the GIL, so
+   tensors for one rank; with several workers, a layer's experts are further cut
+   into contiguous ranges, one item each (`parts_per_group`), so that the cores
+   find work inside one layer. Items are handed out in load order (group-major,
+   so at tp=8 sixteen workers hold one or two layers, not sixteen), each to the
+   next free worker thread. Torch ops, file writes, reads and hashlib release the GIL, so
    threads overlap without pickling producers or duplicating source mappings.
 2. Before starting an item a worker reserves its estimated working set from a
    byte budget (`--max-memory`); an item that does not fit waits until running
@@ -80,11 +82,41 @@ class Item:
     group: Group
     rank: int
     cost: int  # bytes reserved from the budget while it runs
+    # A range [a, b) of the group's experts (its outputs with `units`), or None: all of them. The
+    # item with a == 0 (or None) also produces the group's other outputs.
+    part: tuple[int, int] | None = None
+
+    def takes(self, out: OutTensor) -> tuple[bool, tuple[int, int] | None]:
+        """Whether this item produces `out`, and which range of its units."""
+        if self.part is None:
+            return True, None
+        if out.units:
+            return True, self.part
+        return self.part[0] == 0, None
 
 
-def items(groups: list[Group], tp: int) -> list[Item]:
-    """Every (group, rank), group-major: the order the files are laid out in."""
-    return [Item(g, r, working_set(g.outputs)) for g in groups for r in range(tp)]
+def parts_per_group(workers: int, tp: int) -> int:
+    """How many items a rank's experts of one layer are cut into: enough that `workers` threads
+    find work inside one layer (DeepSeek-V3 at tp=8 has 8 (layer, rank) items per layer, and a
+    2-layer checkpoint only one MoE layer), and one item per rank and layer with one worker."""
+    return max(1, -(-2 * workers // tp)) if workers > 1 else 1
+
+
+def items(groups: list[Group], tp: int, parts: int = 1) -> list[Item]:
+    """Every (group, rank), group-major: the order the files are laid out in; a group with
+    experts is cut into up to `parts` items per rank, by contiguous expert ranges."""
+    out = []
+    for g in groups:
+        cost = working_set(g.outputs)
+        units = max((o.units for o in g.outputs), default=0)
+        n = min(parts, units) if units else 1
+        for r in range(tp):
+            if n == 1:
+                out.append(Item(g, r, cost))
+                continue
+            for k in range(n):
+                out.append(Item(g, r, cost, (k * units // n, (k + 1) * units // n)))
+    return out
 
 
 class Budget:

@@ -261,7 +261,7 @@ class ShardFile:
         self.error: BaseException | None = None
         self.closed = False
         self.sealed: Sealed | None = None
-        self.written: set[str] = set()  # tensors whose bytes were all handed over
+        self.written: dict[str, list[tuple[int, int]]] = {}  # tensor -> unit ranges handed over
         self.thread: threading.Thread | None = None
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -437,9 +437,11 @@ class ShardSetWriter:
         """Route the calling thread's writes through `io` (its write-behind thread); None: inline."""
         self._local.io = io
 
-    def write(self, rank: int, out: OutTensor, chunks: Iterable[torch.Tensor]) -> None:
+    def write(self, rank: int, out: OutTensor, chunks: Iterable[torch.Tensor],
+              part: tuple[int, int] | None = None) -> None:
         """Write one rank's (slot's) tensor from its producer's chunks at the tensor's planned offset,
-        through the calling worker's write-behind thread (`use_io`)."""
+        through the calling worker's write-behind thread (`use_io`); `part`: only units [a, b) of
+        it (plan.OutTensor.units), at their place in the tensor."""
         io: _IOThread | None = getattr(self._local, "io", None)
         if self.stop.is_set():
             raise Cancelled()
@@ -449,18 +451,24 @@ class ShardSetWriter:
         if plan.file in self.kept:
             raise AtomConvertError(f"internal: {out.name} (rank {rank}) is in {plan.file}, sealed by an earlier run")
         sh = self._shard(plan)
+        a, b = part if part is not None else (0, out.units or 1)
+        if part is not None and not 0 <= a < b <= out.units:
+            raise AtomConvertError(f"internal: {out.name} (rank {rank}): units {part} of {out.units}")
         with self._lock:
-            if out.name in sh.written:
-                raise AtomConvertError(f"internal: {out.name} (rank {rank}) written twice")
-            sh.written.add(out.name)
-        base, total = sh.offsets[out.name], 0
+            # What was written, as unit ranges: a range is written once, and ranges never overlap
+            # (close() checks that every byte of every shard was written).
+            if any(x < b and a < y for x, y in sh.written.get(out.name, ())):
+                raise AtomConvertError(f"internal: {out.name} (rank {rank}) units {a}..{b} written twice")
+            sh.written.setdefault(out.name, []).append((a, b))
+        expected = out.nbytes if part is None else (b - a) * out.unit_bytes
+        base, total = sh.offsets[out.name] + a * (out.unit_bytes if part is not None else 0), 0
         for c in chunks:
             if self.stop.is_set():
                 raise Cancelled()
             if c.dtype != out.dtype:
                 raise AtomConvertError(f"internal: {out.name} produced {c.dtype}, planned {out.dtype}")
             buf = _as_bytes(c)
-            if total + len(buf) > out.nbytes:
+            if total + len(buf) > expected:
                 total += len(buf)
                 break
             piece = _Piece(base + total, buf)
@@ -470,9 +478,10 @@ class ShardSetWriter:
             else:
                 io.submit(self._write_and_count, sh, piece)
             del buf, piece, c  # hold no chunk while the producer makes the next one
-        if total != out.nbytes:
+        if total != expected:
             raise AtomConvertError(
-                f"internal: {out.name} produced {total} bytes, planned {out.nbytes} ({out.dtype}, {list(out.shape)})"
+                f"internal: {out.name} produced {total} bytes, planned {expected} ({out.dtype}, {list(out.shape)}"
+                f"{'' if part is None else f', units {a}..{b} of {out.units}'})"
             )
 
     def close(self) -> list[WrittenFile]:

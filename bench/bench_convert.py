@@ -538,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help=f"scratch folder (default {DEFAULT_WORKDIR}[-smoke])")
     ap.add_argument("--reuse", action="store_true", help="reuse a complete source from an earlier run in --workdir")
     ap.add_argument("--keep-source", action="store_true", help="keep the generated source (for a later --reuse)")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="generate (or --reuse) the source, print its path and stop (implies --keep-source)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny run (hidden 7168, 8 experts, vocab 16384), < 1 minute")
     ap.add_argument("--quiet-wait", type=float, default=None,
@@ -573,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] atom_convert {package['version']}, sources sha256 {package['sources_sha256'][:16]}", flush=True)
     machine = machine_info(workdir)
     src, gen = prepare_source(args, workdir)
+    if args.generate_only:
+        print(src, flush=True)
+        return 0
     src_bytes, src_files = tree_bytes(src)
     src_bytes -= (src / MARKER).stat().st_size
     src_files -= 1

@@ -149,9 +149,9 @@ def count_writes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     n = {"tensors": 0}
     real = ShardSetWriter.write
 
-    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         n["tensors"] += 1
-        real(self, rank, out, chunks)
+        real(self, rank, out, chunks, part)
 
     monkeypatch.setattr(ShardSetWriter, "write", write)
     return n
@@ -336,11 +336,11 @@ def interrupted(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> P
     calls = {"n": 0}
     real = ShardSetWriter.write
 
-    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         calls["n"] += 1
         if calls["n"] > 40:
             raise KeyboardInterrupt
-        real(self, rank, out, chunks)
+        real(self, rank, out, chunks, part)
 
     with monkeypatch.context() as m:
         m.setattr(ShardSetWriter, "write", write)
@@ -661,7 +661,7 @@ def test_bad_input_after_creating_parents_removes_them(tiny_checkpoint: Callable
     class Boom(RuntimeError):
         pass
 
-    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         raise Boom("x")
 
     monkeypatch.setattr(ShardSetWriter, "write", write)

@@ -509,12 +509,12 @@ def _fail_writer_after(monkeypatch: pytest.MonkeyPatch, n: int, exc: BaseExcepti
     calls = {"n": 0, "raised": 0}
     real = ShardSetWriter.write
 
-    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         calls["n"] += 1
         if calls["n"] > n:
             calls["raised"] += 1
             raise exc
-        real(self, rank, out, chunks)
+        real(self, rank, out, chunks, part)
 
     monkeypatch.setattr(ShardSetWriter, "write", write)
     return calls

@@ -22,7 +22,7 @@ from oracles import fp8_block_dequantize_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from atom_convert.quant.fnuz import fnuz_normalize, fnuz_scale, target_scale, to_target_fp8
+from atom_convert.quant.fnuz import fnuz_normalize, fnuz_normalize_, fnuz_scale, target_scale, to_target_fp8
 from atom_convert.quant.fp8_block import block_dequant
 from atom_convert.quant.per_tensor import per_tensor_quant
 from atom_convert.quant.shuffle import shuffle16, shuffle_requirements_met, unshuffle16
@@ -224,6 +224,27 @@ def test_fnuz_normalize_all_codes():
         assert v_fnuz * 2 == v_fn, f"byte {b:#04x}: fnuz {v_fnuz} * 2 != fn {v_fn}"
         checked += 1
     assert checked == 254
+
+
+def test_fnuz_normalize_every_code_in_every_byte_lane():
+    """The in-place path works on 8-byte words (quant/fnuz.py): each of the 256 codes at each of
+    the 8 byte positions of a word, against the per-byte definition; plus sizes and offsets
+    that take the per-byte fallback (not a multiple of 8, not 8-byte aligned)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    for shift in range(8):
+        b = torch.cat([torch.full((shift,), 0x80, dtype=torch.uint8), codes,
+                       torch.full(((-(shift + 256)) % 8,), 0x7F, dtype=torch.uint8)])
+        assert b.numel() % 8 == 0
+        want = torch.where(b == 0x80, torch.zeros_like(b), b)
+        got = fnuz_normalize_(b.clone().view(FN))
+        assert torch.equal(got.view(torch.uint8), want), shift
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randint(0, 256, (3 * (1 << 16) * 8 + 8,), generator=gen, dtype=torch.uint8)  # several blocks
+    big[::97] = 0x80
+    for piece in (big, big[:-3], big[1:]):  # words; odd size; misaligned start
+        want = torch.where(piece == 0x80, torch.zeros_like(piece), piece)
+        assert torch.equal(fnuz_normalize(piece.view(FN)).view(torch.uint8), want)
+        assert torch.equal(fnuz_normalize_(piece.clone().view(FN)).view(torch.uint8), want)
 
 
 def test_fnuz_normalize_2d_random_and_dtype_guard():

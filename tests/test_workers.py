@@ -110,15 +110,17 @@ def test_output_identical_for_any_number_of_workers_parallel_modes(sources: Call
 
 def test_output_identical_for_any_order_of_completion(sources: Callable[..., Path], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Items handed out in a shuffled order and every buffer delayed at random: same bytes."""
+    """Items handed out in a shuffled order, each layer's experts cut into 3 uneven ranges (items
+    of their own), and every buffer delayed at random: same bytes."""
     src = sources("fp8", 8)
     ref = tmp_path / "ref"
     atom_convert.convert(src, ref, tp=8, workers=1, shard_size="150KB")
     rng = random.Random(random.SystemRandom().randrange(1 << 30))
     real_items, real_write = wk.items, ShardSetWriter._write
 
-    def shuffled(groups: Any, tp: int) -> list[wk.Item]:
-        work = real_items(groups, tp)
+    def shuffled(groups: Any, tp: int, parts: int = 1) -> list[wk.Item]:
+        work = real_items(groups, tp, 3)
+        assert any(i.part is not None and i.part[0] > 0 for i in work)  # the experts really are cut
         rng.shuffle(work)
         return work
 
@@ -173,8 +175,8 @@ def test_budget_bounds_the_working_set(tiny_checkpoint: Callable[..., Path], tmp
     plan_items = []
     real_items = wk.items
 
-    def seen(groups: Any, tp: int) -> list[wk.Item]:
-        work = real_items(groups, tp)
+    def seen(groups: Any, tp: int, parts: int = 1) -> list[wk.Item]:
+        work = real_items(groups, tp, parts)
         plan_items.extend(work)
         return work
 
@@ -229,7 +231,7 @@ def test_error_in_one_worker_stops_the_others(sources: Callable[..., Path], tmp_
     lock = threading.Lock()
     calls = {"n": 0, "failed_at": None, "after": 0, "completed_after": 0}
 
-    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any) -> None:
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         with lock:
             calls["n"] += 1
             n = calls["n"]
@@ -240,7 +242,7 @@ def test_error_in_one_worker_stops_the_others(sources: Callable[..., Path], tmp_
                 calls["failed_at"] = time.perf_counter()
             raise Boom("worker failed")
         time.sleep(0.02)
-        real(self, rank, out, chunks)
+        real(self, rank, out, chunks, part)
         with lock:
             if calls["failed_at"] is not None:
                 calls["completed_after"] += 1

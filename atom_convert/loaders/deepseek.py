@@ -178,16 +178,15 @@ _CHUNK_BYTES = 64 << 20
 
 
 def _rows_in_chunks(ctx: _Ctx, name: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
-    """Rows [lo, hi) in pieces of at most 64 MB, the handle released after each: an embedding is
-    1.85 GB (V3), and one view of it all would keep all of it resident. A bf16 source piece is
-    yielded as the view itself (the writer copies it into the file; the mapping goes when the
-    write is done): no torch copy for the 3.7 GB of V3's embedding and lm_head."""
+    """Rows [lo, hi) in pieces of at most 64 MB: an embedding is 1.85 GB (V3), and one view of it
+    all would keep all of it resident. A bf16 source piece is yielded as the view itself (the
+    writer copies it into the file; its pages leave the resident set when the write is done and
+    the view goes, source.py): no torch copy for the 3.7 GB of V3's embedding and lm_head."""
     info = ctx.src.info(name)
     row = max(1, info.nbytes // max(1, info.shape[0]))
     step = max(1, _CHUNK_BYTES // row)
     for a in range(lo, hi, step):
         chunk = ctx.src.get_rows(name, a, min(hi, a + step)).to(BF16)
-        ctx.src.release()
         yield chunk
         del chunk
 
@@ -343,12 +342,15 @@ def _rank_modules(mods: list[tuple[str, str, str]], slots: list[list[int]], rank
 
 
 def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-             cache: dict[str, Any], key: str, slots: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
+             cache: dict[str, Any], key: str, slots: list[list[int]] | None = None,
+             part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
     """Yields one expert at a time ([1, 2N, K] for w13, [1, H, N] for w2) and stacks the
-    scales for the `_scale` output. `slots[rank]`: the indices into `mods` the rank holds."""
+    scales for the `_scale` output. `slots[rank]`: the indices into `mods` the rank holds;
+    `part`: only the rank's local experts [a, b) (plan.OutTensor.units)."""
     post = MOE[codec.name]
     scales = []
-    for gate, up, down in (mods if slots is None else _rank_modules(mods, slots, rank)):
+    local = mods if slots is None else _rank_modules(mods, slots, rank)
+    for gate, up, down in (local if part is None else local[part[0]:part[1]]):
         if which == "w13":
             w, s = post.w13(_read_expert(ctx, codec, gate, 0, rank), _read_expert(ctx, codec, up, 0, rank), ctx.target)
         else:
@@ -364,11 +366,11 @@ def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, wh
 
 def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
                    cache: dict[str, Any], key: str, stacked: bool,
-                   slots: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
-    scales = cache.pop(key, None)
+                   slots: list[list[int]] | None = None, part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+    scales = cache.pop(key, None)  # the same item produced the weight of the same experts just before
     if scales is None:  # the weight was not produced first: compute the scales again
         scales = []
-        for chunk in _experts(ctx, mods, codec, which, rank, cache, key, slots):
+        for chunk in _experts(ctx, mods, codec, which, rank, cache, key, slots, part):
             del chunk
         scales = cache.pop(key)
     # fp8: [E, rows, cols] stacked; MXFP4: the 2-D [E*N, K/32] tensor, one expert's rows after another.
@@ -411,12 +413,14 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
         w = _out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
                  partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources)
         w.chunk_bytes = w.nbytes // max(1, w.shape[0])  # one expert at a time
+        w.units = n_local
         outs.append(w)
         sspec = specs.get(f"{which}_weight_scale")
         if sspec is not None:
             outs.append(_out(f"{base}{which}_weight_scale", sspec, sources,
                              partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3,
                                      slots=slots), split, rank_sources))
+            outs[-1].units = n_local
     return outs
 
 

@@ -19,8 +19,31 @@ def fnuz_normalize(w: torch.Tensor) -> torch.Tensor:
     """
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fnuz_normalize expects float8_e4m3fn, got {w.dtype}")
-    b = w.view(torch.int8)
-    return b.masked_fill(b == FNUZ_NAN_BYTE, 0).view(torch.float8_e4m3fnuz)
+    return fnuz_normalize_(w.clone(memory_format=torch.contiguous_format))
+
+
+_LOW7 = 0x7F7F7F7F7F7F7F7F  # per byte lane of an int64: 0x7F
+_HIGH = 0x8080808080808080 - (1 << 64)  # per byte lane: 0x80 (as a signed int64)
+_BLOCK = 1 << 16  # int64 words per step (512 KB): the temporary stays in the core's cache
+
+
+def _clear_0x80_bytes_(words: torch.Tensor) -> None:
+    """Every byte 0x80 of an int64 tensor's bytes set to 0x00, others unchanged, 8 bytes per lane
+    op. Per byte x: t = (x & 0x7F) + 0x7F has bit 7 set exactly when x & 0x7F != 0 (at most
+    0xFE: no carry into the next byte); x & (t & 0x80 | 0x7F) then clears bit 7 only when the
+    low seven bits are zero, i.e. 0x80 -> 0x00 (and 0x00 stays 0x00). masked_fill_ with a
+    comparison mask does the same at a sixth of the speed (0.41 vs 2.4-2.9 GB/s on one core,
+    /tmp microbenchmark on the 2-core box); tests hold the two equal on every byte value in
+    every lane."""
+    t = torch.empty(min(_BLOCK, words.numel()), dtype=torch.int64)
+    for i in range(0, words.numel(), _BLOCK):
+        w = words[i:i + _BLOCK]
+        tt = t[:w.numel()]
+        torch.bitwise_and(w, _LOW7, out=tt)
+        tt += _LOW7
+        tt &= _HIGH
+        tt |= _LOW7
+        w &= tt
 
 
 def fnuz_normalize_(w: torch.Tensor) -> torch.Tensor:
@@ -29,7 +52,10 @@ def fnuz_normalize_(w: torch.Tensor) -> torch.Tensor:
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fnuz_normalize_ expects float8_e4m3fn, got {w.dtype}")
     b = w.view(torch.int8)
-    b.masked_fill_(b == FNUZ_NAN_BYTE, 0)
+    if b.is_contiguous() and b.numel() % 8 == 0 and b.data_ptr() % 8 == 0 and b.numel():
+        _clear_0x80_bytes_(b.reshape(-1).view(torch.int64))
+    else:
+        b.masked_fill_(b == FNUZ_NAN_BYTE, 0)
     return b.view(torch.float8_e4m3fnuz)
 
 
