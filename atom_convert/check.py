@@ -149,7 +149,6 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
                                            + (f" {list(exp.shape)}" if got.shape != exp.shape else ""))
                 report.values_checked += 1
             ck.close()
-    src.release()
     return report
 
 

@@ -185,21 +185,18 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
             ahead.reached(group_index[id(item.group)])
         writer.use_io(io)
         log.debug("%s (rank %d): converting", item.group.key, item.rank)
-        try:
-            cache: dict[str, Any] = {}
-            for out in item.group.outputs:
-                slot = tp if plan.is_common(out) else item.rank
-                takes, part = item.takes(out)
-                if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
-                    continue  # common: produced once; sealed by an interrupted run: not produced at all
-                rank = 0 if slot == tp else item.rank
-                chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
-                writer.write(slot, out, chunks, part)
-            # Wait for this item's writes: queued buffers may be views of source pages, and the
-            # worker's next item must start with none of them alive (bounded working set).
-            io.drain()
-        finally:
-            src.release()  # unmap the source pages this worker touched (its own handles)
+        cache: dict[str, Any] = {}
+        for out in item.group.outputs:
+            slot = tp if plan.is_common(out) else item.rank
+            takes, part = item.takes(out)
+            if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
+                continue  # common: produced once; sealed by an interrupted run: not produced at all
+            rank = 0 if slot == tp else item.rank
+            chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
+            writer.write(slot, out, chunks, part)
+        # Wait for this item's writes: queued buffers may be views of source pages, and the
+        # worker's next item must start with none of them alive (bounded working set).
+        io.drain()
 
     def end_worker(io: object) -> None:
         if isinstance(io, _IOThread):

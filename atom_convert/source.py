@@ -274,9 +274,9 @@ class SourceCheckpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.files: list[str] = []
         self.index_file: str | None = None
-        # One read-only (copy-on-write) mapping per file, shared by every worker thread: mapping
-        # and unmapping per expert serialised the threads on the kernel's mmap lock and TLB
-        # shootdowns. `release` drops pages from the resident set instead (madvise).
+        # One copy-on-write mapping per file, shared by every worker thread: mapping and unmapping
+        # per expert serialised the threads on the kernel's mmap lock and TLB shootdowns. A read's
+        # pages leave the resident set when its last view goes instead (`_view`, madvise).
         self._maps: dict[str, _MappedFile] = {}
         self._maps_lock = threading.Lock()
         self._scan()
@@ -411,7 +411,6 @@ class SourceCheckpoint:
         """Called once the plan is known, with the files in the order conversion reads them."""
 
     def close(self) -> None:
-        self.release()
         with self._maps_lock:
             self._maps.clear()  # each mapping goes when its last tensor view does
 
@@ -475,10 +474,6 @@ class SourceCheckpoint:
             cols = cols.contiguous()
         self.values.check(name, info.file, cols, (0, start))
         return cols
-
-    def release(self) -> None:
-        """Nothing left to do: the pages of a view leave the resident set when the view goes.
-        Kept for callers that mark the end of a step (and for subclasses)."""
 
     def file_sizes(self) -> dict[str, int]:
         return {f: (self.path / f).stat().st_size for f in self.files}

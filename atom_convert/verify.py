@@ -142,7 +142,6 @@ class SourceLayers:
             else:
                 sd[k] = self.value(p + k)
         layer.load_state_dict(sd, strict=True)
-        self.src.release()
         return layer.to(self.device).eval()
 
 
@@ -202,7 +201,6 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
         h = x[0].float()
         h = ref.value("model.norm.weight") * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps))
         ref_logits = h @ ref.value("lm_head.weight").T
-        src.release()
         result.rows.append(_judge("final logits (kv_b prefill path)", "logits", compare(conv.forward(ids), ref_logits, logits=True)))
         result.rows.append(_judge("final logits (W_K/W_V path, info)", "info",
                                   compare(conv.forward(ids, absorbed=True), ref_logits, logits=True)))

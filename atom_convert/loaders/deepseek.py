@@ -358,8 +358,7 @@ def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, wh
         if s is not None:
             scales.append(s)
         yield w.unsqueeze(0)
-        del w
-        ctx.src.release()  # unmap what this expert touched: RSS stays at one expert
+        del w  # the expert's source views are gone: their pages leave the resident set (source.py)
     if scales:
         cache[key] = scales
 
