@@ -70,6 +70,11 @@ class DestinationExistsError(BadInputError):
     """The destination exists and `force` was not given."""
 
 
+class NotResumableError(BadInputError):
+    """A partial conversion beside DST was staged from another source, other options or another
+    build, so it cannot be resumed (`resume="restart"` discards it)."""
+
+
 class ConvertedCheckError(BadInputError):
     """A converted directory fails its integrity checks."""
 

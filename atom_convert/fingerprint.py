@@ -8,7 +8,8 @@ How it works:
 1. `source_fingerprint(SRC)`: one part per file that shapes the output: config.json and the
    index (their bytes), every safetensors file the checkpoint uses (its size and its header:
    the 8-byte length plus the JSON, so every tensor's name, dtype, shape and offsets), and
-   the side files copied into DST (tokenizer, generation config: their bytes). Tensor data
+   the side files copied into DST (tokenizer, generation config, the Python files that
+   `auto_map` loads with trust_remote_code: their bytes). Tensor data
    is NOT read: hashing a 1 TB checkpoint would take longer than many conversions. So an
    edit that rewrites tensor bytes in place, keeping every header and size, is not seen;
    re-downloads and re-exports change sizes or headers and are seen.
@@ -30,6 +31,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .remote_code import remote_code_files
 
 # Files copied from SRC beside the shards (whatever of them exists); they are part of DST,
 # so they are part of the source fingerprint.
@@ -127,8 +130,9 @@ def source_fingerprint(src: str | os.PathLike[str]) -> Fingerprint:
     for name in _weight_files(root):
         parts[name] = _header_part(root / name)
     if root.is_dir():
+        code = set(remote_code_files(root)[0])  # the *.py files a trust_remote_code config loads
         for p in sorted(root.iterdir()):
-            if p.is_file() and (p.name in SIDE_FILES or p.name.endswith(SIDE_SUFFIXES)):
+            if p.is_file() and (p.name in SIDE_FILES or p.name.endswith(SIDE_SUFFIXES) or p.name in code):
                 parts[p.name] = _sha(p.read_bytes())
     return Fingerprint("source", parts)
 

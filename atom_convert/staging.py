@@ -5,9 +5,9 @@ How it works:
    SRC or contain SRC (compared after resolving symlinks); a symlink DST to a directory means
    its target, a dangling one is refused; an existing DST needs `force`, and `force` replaces
    only an earlier conversion (a directory with atom_manifest.json) or an empty directory.
-2. `DestinationLock`: `fcntl.flock` on `.DST.atom-lock` beside DST, which the kernel releases
-   when its holder dies, so a crashed run never blocks the next one. The file names the
-   holder (pid, host, since when) for the refusal message; it is removed on release.
+2. `DestinationLock` (a `FileLock`): `fcntl.flock` on `.DST.atom-lock` beside DST, which the
+   kernel releases when its holder dies, so a crashed run never blocks the next one. The file
+   names the holder (pid, host, since when) for the refusal message; it is removed on release.
 3. `Staging`: everything is written under `.DST.atom-partial/` beside DST, a stable name so
    that the next run finds it. Its journal (`.atom-journal.jsonl`, fsynced) starts with the
    source and options fingerprints and the plan digest, then gets one line per sealed shard
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import BadInputError, DestinationExistsError
+from .errors import BadInputError, DestinationExistsError, NotResumableError
 from .fingerprint import Fingerprint
 from .manifest import MANIFEST_NAME, sha256_file
 
@@ -168,43 +168,63 @@ def remove_created(created: list[Path]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class DestinationLock:
-    """An exclusive `flock` on `.DST.atom-lock`; refuses (or with `wait` waits for) a running conversion."""
+class FileLock:
+    """An exclusive `flock` on `path`, which the kernel releases when its holder dies (so a crashed
+    holder never blocks the next one). The file names the holder (pid, host, since when) for the
+    messages, and is removed on release.
 
-    def __init__(self, paths: DestPaths, *, wait: bool = False, notify: Notify = print):
-        self.path = paths.lock
-        self.dst = paths.dst
+    wait: False refuses at once when another process holds it (`busy(who)` is the message), True
+    waits as long as it takes, a number waits that many seconds and then refuses. Waits poll
+    rather than block in flock, so that Ctrl-C works whichever thread receives it.
+    """
+
+    def __init__(self, path: Path, *, wait: bool | float = False, notify: Notify = print,
+                 busy: Callable[[str], str] | None = None, waiting: Callable[[str], str] | None = None):
+        self.path = path
         self.wait = wait
         self.notify = notify
+        self._busy = busy or (lambda who: f"{path} is locked by another process ({who})")
+        self._waiting = waiting
         self._fd: int | None = None
 
-    def _holder(self, fd: int) -> str:
+    @staticmethod
+    def _holder(fd: int) -> str:
         try:
             info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            return f"pid {info['pid']} on {info['host']}, since {info['since']}"
-        except (ValueError, KeyError, TypeError, OSError):
+        except (ValueError, OSError):
             return "holder unknown"
+        if not isinstance(info, dict) or "pid" not in info:
+            return "holder unknown"
+        return (f"pid {info['pid']}" + (f" on {info['host']}" if "host" in info else "")
+                + (f", since {info['since']}" if "since" in info else ""))
+
+    def _take(self, fd: int) -> None:
+        """flock `fd`, waiting as `wait` says; raises BadInputError when refused."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        who = self._holder(fd)
+        if self.wait is False:
+            raise BadInputError(self._busy(who))
+        if self._waiting is not None:
+            self.notify(self._waiting(who))
+        deadline = None if self.wait is True else time.monotonic() + float(self.wait)
+        while True:
+            time.sleep(0.2)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BadInputError(self._busy(self._holder(fd)) + f" (waited {float(self.wait):g} s)") from None
 
     def acquire(self) -> None:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    who = self._holder(fd)
-                    if not self.wait:
-                        raise BadInputError(
-                            f"another atom-convert is writing {self.dst} ({who}; lock {self.path}); wait for it to "
-                            "finish, pass --wait (wait=True) to queue behind it, or choose another DST") from None
-                    self.notify(f"waiting for the conversion into {self.dst} ({who}) to finish (--wait)")
-                    while True:  # polled, not a blocking flock: Ctrl-C must work whichever thread gets it
-                        time.sleep(0.2)
-                        try:
-                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                            break
-                        except BlockingIOError:
-                            continue
+                self._take(fd)
                 # The previous holder removes the file on release: a lock on that unlinked file
                 # protects nothing, so start again on the current file.
                 try:
@@ -235,12 +255,24 @@ class DestinationLock:
             os.close(self._fd)  # releases the flock
             self._fd = None
 
-    def __enter__(self) -> "DestinationLock":
+    def __enter__(self) -> "FileLock":
         self.acquire()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+class DestinationLock(FileLock):
+    """The lock of one DST (`.DST.atom-lock`): one conversion into DST at a time; `wait` queues."""
+
+    def __init__(self, paths: DestPaths, *, wait: bool = False, notify: Notify = print):
+        self.dst = paths.dst
+        super().__init__(
+            paths.lock, wait=wait, notify=notify,
+            busy=lambda who: (f"another atom-convert is writing {paths.dst} ({who}; lock {paths.lock}); wait for it "
+                              "to finish, pass --wait (wait=True) to queue behind it, or choose another DST"),
+            waiting=lambda who: f"waiting for the conversion into {paths.dst} ({who}) to finish (--wait)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,7 +419,7 @@ class Staging:
             old_src = Fingerprint.from_dict(old.get("source"))
             old_opt = Fingerprint.from_dict(old.get("options"))
         except ValueError as e:
-            raise BadInputError(f"cannot resume the partial conversion in {r}: {e}; {hint}") from None
+            raise NotResumableError(f"cannot resume the partial conversion in {r}: {e}; {hint}") from None
         why = []
         src_changed = old_src.changed(Fingerprint.from_dict(header["source"]))
         if src_changed:
@@ -398,7 +430,7 @@ class Staging:
         if not why and old.get("plan") != header["plan"]:
             why.append("the plan differs (staged by a different atom-convert build)")
         if why:
-            raise BadInputError(
+            raise NotResumableError(
                 f"{r} holds a partial conversion into {self.paths.dst} that this run cannot resume: "
                 + "; ".join(why) + f". Rerun with the original source and options to resume it, or {hint}")
         latest = {e.file: e for e in entries}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,10 +27,10 @@ PRESET = "tiny-deepseek-v2-lite"  # the smallest fixture: conversions here take 
 # conversion (pid) and, for the converter to be killed, to stop inside the conversion (the shards
 # written, the manifest not yet) until it is killed.
 CHILD = textwrap.dedent('''
-    import json, os, sys, time
+    import json, logging, os, sys, time
     from pathlib import Path
     import atom_convert.cache as cache
-    import atom_convert.cache as _c
+    logging.basicConfig(level=logging.INFO)
     conv = sys.modules["atom_convert.convert"]  # the package attribute of that name is the function
     src, cache_dir, log, go, mode = sys.argv[1:6]
     real = cache.convert
@@ -87,7 +88,8 @@ def test_four_processes_convert_once(src: Path, tmp_path: Path) -> None:
     assert len({o["dst"] for o in outs}) == 1 and len({o["manifest"] for o in outs}) == 1
     dst = Path(outs[0]["dst"])
     assert check_files(dst).ok
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([dst.name, dst.name + ".cache.json", f".{dst.name}.lock"])
+    # the entry and its record; the lock file goes with its last holder (staging.FileLock)
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([dst.name, dst.name + ".cache.json"])
 
 
 def test_killed_converter_taken_over(src: Path, tmp_path: Path) -> None:
@@ -110,7 +112,10 @@ def test_killed_converter_taken_over(src: Path, tmp_path: Path) -> None:
     assert len(_conversions(tmp_path)) == 2  # the dead one, then the taker-over
     dst = Path(json.loads(out.strip().splitlines()[-1])["dst"])
     assert check_files(dst).ok
-    assert not [p for p in cache_dir.iterdir() if p.is_dir() and p != dst]  # the dead one's staging removed
+    # the dead one had sealed every shard (it stalled before its manifest): the taker keeps them all
+    kept = re.search(r"keeping (\d+) of (\d+) shards", err)
+    assert kept and kept.group(1) == kept.group(2) != "0", err
+    assert not [p for p in cache_dir.iterdir() if p.is_dir() and p != dst]  # the dead one's staging went into DST
 
 
 def test_current_found_from_headers_only(src: Path, tmp_path: Path, monkeypatch) -> None:
@@ -164,12 +169,73 @@ def test_fetch_step_used_before_converting(src: Path, tmp_path: Path, monkeypatc
 
     def fetch(dst: Path, record: dict) -> bool:
         seen.append(record["options"]["target"])
+        assert record["source_parts"]["config.json"] and record["options_digest"]
         shutil.copytree(ready, dst)
         return True
 
     dst = ensure_converted(src, tmp_path / "cache", fetch=fetch)
     assert seen == ["gfx950"] and check_files(dst).ok
     assert ensure_converted(src, tmp_path / "cache", fetch=fetch) == dst and seen == ["gfx950"]
+
+
+def test_parallel_options_are_part_of_the_key(tiny_checkpoint, tmp_path: Path) -> None:
+    """A server under expert parallel or DP-attention gets that layout (atom-parallel.md), in an entry
+    of its own, and ensure_converted converts on every core by default (the CLI's default)."""
+    src = tiny_checkpoint("tiny-deepseek-v3", "bf16")
+    cache_dir = tmp_path / "cache"
+    plain = ensure_converted(src, cache_dir, tp=2)
+    ep = ensure_converted(src, cache_dir, tp=2, ep=True)
+    dpa = ensure_converted(src, cache_dir, tp=2, dp_attention=True, ep=True)
+    assert len({plain, ep, dpa}) == 3
+    for d, want_ep, want_dpa in ((plain, 1, False), (ep, 2, False), (dpa, 2, True)):  # ep: the EP size
+        m = json.loads((d / "atom_manifest.json").read_text())
+        assert (m["parallel"]["ep"], m["parallel"]["dp_attention"]) == (want_ep, want_dpa), m["parallel"]
+        assert check_files(d).ok
+    # the same bytes as the CLI's conversion with those options
+    direct = tmp_path / "direct-ep"
+    atom_convert.convert(src, direct, tp=2, ep=True, workers=1)
+    files = json.loads((direct / "atom_manifest.json").read_text())["files"]
+    assert [f for f in files if f.endswith(".safetensors")]
+    assert {f: (direct / f).read_bytes() for f in files} == {f: (ep / f).read_bytes() for f in files}
+    assert ensure_converted(src, cache_dir, tp=2, ep=True) == ep  # current: found again
+
+
+def test_taker_over_restarts_a_staging_of_another_source(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A dead converter's sealed shards are resumed only when staged from the same source and
+    options; staged from a source that changed since, they are discarded and the entry converted anew."""
+    from atom_convert.errors import Interrupted
+    from atom_convert.writer import ShardSetWriter
+
+    cache_dir = tmp_path / "cache"
+    dst, _ = cache_path(src, cache_dir, shard_size="100KB")
+    real, calls = ShardSetWriter.write, [0]
+
+    def write(self, *a, **k):  # an interrupt once a few tensors are written: sealed shards stay
+        calls[0] += 1
+        if calls[0] > 40:
+            raise KeyboardInterrupt()
+        real(self, *a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ShardSetWriter, "write", write)
+        with pytest.raises(Interrupted, match="sealed"):
+            ensure_converted(src, cache_dir, shard_size="100KB")
+    staging = dst.with_name(f".{dst.name}.atom-partial")
+    assert staging.is_dir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (src / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("INFO", logger="atom_convert"):
+        got = ensure_converted(src, cache_dir, shard_size="100KB")
+    assert "cannot resume" in caplog.text and "config.json" in caplog.text and "starting over" in caplog.text
+    assert "keeping" not in caplog.text  # nothing of the old staging was kept
+    assert got == dst and check_files(dst).ok and not staging.exists()
+    assert json.loads((dst / "config.json").read_text())["rms_norm_eps"] == 1e-5
+    fresh = tmp_path / "fresh"
+    atom_convert.convert(src, fresh, shard_size="100KB")
+    for f in dst.glob("*.safetensors"):
+        assert f.read_bytes() == (fresh / f.name).read_bytes(), f.name
 
 
 def test_lock_timeout_names_the_holder(src: Path, tmp_path: Path) -> None:
