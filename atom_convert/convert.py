@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from . import loaders, quant
+from . import buffers, loaders, quant
 from . import workers as workers_mod
 from .errors import BadInputError, Interrupted, UnsupportedError
 from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, Fingerprint, options_fingerprint, source_fingerprint
@@ -178,6 +178,10 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
 
     group_index = {id(g): i for i, g in enumerate(layout.plan.groups)}
     ahead = Prefetcher(src, layout.plan.groups, tp) if hasattr(os, "posix_fadvise") else None
+    # Output chunks come from reused buffers (buffers.py); the free ones it keeps stay within what
+    # the workers' working sets may hold anyway.
+    largest = max((workers_mod.working_set(g.outputs) for g in layout.plan.groups), default=0)
+    pool = buffers.BufferPool(keep_bytes=min(max_memory, workers * largest))
 
     def convert_item(item: workers_mod.Item, io: object) -> None:
         assert isinstance(io, _IOThread)
@@ -186,14 +190,15 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
         writer.use_io(io)
         log.debug("%s (rank %d): converting", item.group.key, item.rank)
         cache: dict[str, Any] = {}
-        for out in item.group.outputs:
-            slot = tp if plan.is_common(out) else item.rank
-            takes, part = item.takes(out)
-            if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
-                continue  # common: produced once; sealed by an interrupted run: not produced at all
-            rank = 0 if slot == tp else item.rank
-            chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
-            writer.write(slot, out, chunks, part)
+        with buffers.using(pool):
+            for out in item.group.outputs:
+                slot = tp if plan.is_common(out) else item.rank
+                takes, part = item.takes(out)
+                if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
+                    continue  # common: produced once; sealed by an interrupted run: not produced at all
+                rank = 0 if slot == tp else item.rank
+                chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
+                writer.write(slot, out, chunks, part)
         # Wait for this item's writes: queued buffers may be views of source pages, and the
         # worker's next item must start with none of them alive (bounded working set).
         io.drain()
@@ -215,6 +220,7 @@ def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan,
         writer.abort()
         raise
     finally:
+        pool.clear()
         if ahead is not None:
             ahead.close()
     where = dict(writer.tensor_file)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import buffers
 from .errors import UnsupportedError
 from .quant.fnuz import fnuz_normalize_, target_scale
 from .quant.formats import FP8_BLOCK, FP8_DTYPE_BY_TARGET
@@ -242,7 +243,7 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
         ip = self.padded(il)
         # The zero pad rows [il, ip) of each half are whole 16-row bands (il is a multiple of 32),
         # and a zero band shuffles to zeros: shuffle each half straight into place.
-        w = torch.empty(2 * ip, kb, dtype=torch.uint8)
+        w = buffers.empty((2 * ip, kb), torch.uint8)
         for part, at in ((gate.weight, 0), (up.weight, ip)):
             shuffle16_into(w[at:at + il], part)
             w[at + il:at + ip].zero_()
@@ -255,7 +256,7 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         H, ib = down.weight.shape
         ip = self.padded(ib * 2)
-        w = torch.zeros(H, ip // 2, dtype=torch.uint8)
+        w = buffers.zeros((H, ip // 2), torch.uint8)  # padded, then shuffled into a second buffer
         s = torch.zeros(H, ip // MXFP4_BLOCK, dtype=torch.uint8)
         w[:, :ib], s[:, :down.scale.shape[1]] = down.weight, down.scale
         return shuffle16(w), e8m0_shuffle(s)
@@ -272,7 +273,7 @@ def _fp8_shuffled(w: torch.Tensor, target: str) -> torch.Tensor:
 def _stack_shuffled(parts: list[torch.Tensor]) -> torch.Tensor:
     """shuffle16(cat(parts, 0)) without the concatenation: each part shuffled into its rows."""
     rows = sum(p.shape[0] for p in parts)
-    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype)
+    out = buffers.empty((rows, *parts[0].shape[1:]), parts[0].dtype)
     at = 0
     for p in parts:
         shuffle16_into(out[at:at + p.shape[0]], p)

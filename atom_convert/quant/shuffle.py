@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import buffers
 from .formats import SHUFFLE_K_BYTES, SHUFFLE_K_ELEMS, SHUFFLE_ROWS
 
 
@@ -60,7 +61,7 @@ def shuffle16(x: torch.Tensor) -> torch.Tensor:
     """
     n, k, ke, kc = _geometry(x)
     u, nu = _units(x)
-    out = torch.empty((u.shape[0], n // 16, nu, 16), dtype=torch.complex128, device=x.device)
+    out = buffers.empty((u.shape[0], n // 16, nu, 16), torch.complex128, device=x.device)
     out.copy_(u.view(-1, n // 16, 16, nu).transpose(2, 3))
     return out.view(torch.int64).view(torch.uint8).view(x.dtype).reshape(x.shape)
 
