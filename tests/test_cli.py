@@ -18,29 +18,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import atom_convert
-from atom_convert.cli import cli, main
+from atom_convert.cli import cli
 from atom_convert.quant.formats import dtype_from_name
 from atom_convert.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
+
+from cliutil import leftovers, run_cli
 
 PRESET = "tiny-deepseek-v3"
 MANIFEST = "atom_manifest.json"
 
 
-def run_cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return (0 if ei.value.code is None else ei.value.code), cap.out, cap.err
-
-
 def sha256(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def leftovers(dst: Path) -> list[str]:
-    """The tool's own names beside DST (staging, lock, replaced DST): none may outlive a run that ended."""
-    return [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]
 
 
 def nbytes(dtype: str, shape: list[int]) -> int:

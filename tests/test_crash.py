@@ -29,11 +29,12 @@ from typing import Any, Callable
 import pytest
 
 import atom_convert
-from atom_convert.cli import main
 from atom_convert.errors import BadInputError, Interrupted
 from atom_convert.staging import DestinationLock, DestPaths
 from atom_convert import writer as writer_mod
 from atom_convert.writer import FaultHook, ShardFile, ShardSetWriter, _IOThread
+
+from cliutil import run_cli
 
 PRESET = "tiny-deepseek-v3"
 OPTS = ["--tp", "2", "--shard-size", "200KB"]
@@ -88,15 +89,6 @@ def staged_state(dst: Path) -> tuple[list[dict[str, Any]], list[str]]:
         except ValueError:
             pass  # a torn last line after SIGKILL
     return entries, files
-
-
-def run_cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    code = ei.value.code
-    return (0 if code is None else code), cap.out, cap.err
 
 
 _CTX: Any = None

@@ -28,11 +28,12 @@ from safetensors.torch import load_file, save_file
 import atom_convert
 import atom_convert.postload as postload_mod
 from atom_convert import BadInputError
-from atom_convert.cli import main
 from atom_convert.errors import CheckpointError, DestinationExistsError, Interrupted, UnsupportedError
 from atom_convert.source import INDEX_NAME
 from atom_convert.synth import build_tiny, load_preset
 from atom_convert.writer import ShardFile, ShardSetWriter
+
+from cliutil import leftovers, run_cli
 
 PRESET = "tiny-deepseek-v3"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -88,21 +89,6 @@ def edit_config(src: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     cfg = json.loads((src / "config.json").read_text())
     edit(cfg)
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
-
-
-def run_cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """`atom-convert ARGS` through the real entry point; (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    code = ei.value.code
-    return (0 if code is None else code), cap.out, cap.err
-
-
-def leftovers(dst: Path) -> list[str]:
-    """The tool's own names beside DST (staging directory, lock file, replaced DST) left in its parent."""
-    return sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}."))
 
 
 def assert_nothing_written(dst: Path) -> None:

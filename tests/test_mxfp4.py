@@ -29,13 +29,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import atom_convert
-from atom_convert.cli import main
 from atom_convert.decode import decode_weight, unpad_moe
 from atom_convert.errors import BadInputError, CheckpointError, UnsupportedError
 from atom_convert.loaders.deepseek import mla_operands
 from atom_convert.quant.mxfp4 import dynamic_mxfp4_quant
 from atom_convert.reader import open_converted
 from atom_convert.verify import verify
+
+from cliutil import run_cli
 
 import quark_fixtures as qf
 
@@ -395,13 +396,6 @@ def mx_converted(tmp_path_factory: pytest.TempPathFactory,
         return cache[key]
 
     return get
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return ex.value.code, out, err
 
 
 # ------------------------------------------------------------------------------------------------

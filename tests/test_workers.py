@@ -21,11 +21,12 @@ import pytest
 
 import atom_convert
 from atom_convert import workers as wk
-from atom_convert.cli import main
 from atom_convert.synth import build_random, load_preset
 from atom_convert.writer import ShardSetWriter
 
-from test_memory import layer_of, trace_conversion
+from cliutil import run_cli
+
+from test_memory import trace_conversion
 
 PRESET = "tiny-deepseek-v3"
 
@@ -258,24 +259,16 @@ def test_error_in_one_worker_stops_the_others(sources: Callable[..., Path], tmp_
     _nothing_left(dst)
 
 
-def _cli(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return (0 if ei.value.code is None else ei.value.code), cap.out + cap.err
-
-
 def test_cli_workers_and_max_memory(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     src = tiny_checkpoint(PRESET, "fp8")
-    code, out = _cli(["convert", src, tmp_path / "a", "--tp", "2", "--workers", "3", "--max-memory", "2GB"], capsys)
-    assert code == 0, out
+    code, out, err = run_cli(["convert", src, tmp_path / "a", "--tp", "2", "--workers", "3", "--max-memory", "2GB"], capsys)
+    assert code == 0, out + err
     ref = tmp_path / "b"
     atom_convert.convert(src, ref, tp=2, workers=1)
     assert digest(tmp_path / "a") == digest(ref)
-    code, out = _cli(["convert", src, tmp_path / "c", "--workers", "0"], capsys)
-    assert code == 2 and "--workers" in out, out
-    code, out = _cli(["convert", src, tmp_path / "d", "--max-memory", "lots"], capsys)
-    assert code == 2 and "cannot read size" in out, out
+    code, out, err = run_cli(["convert", src, tmp_path / "c", "--workers", "0"], capsys)
+    assert code == 2 and "--workers" in err, out + err
+    code, out, err = run_cli(["convert", src, tmp_path / "d", "--max-memory", "lots"], capsys)
+    assert code == 2 and "cannot read size" in err, out + err
     _nothing_left(tmp_path / "d")

@@ -25,7 +25,6 @@ config used below (`config.model`, `rank`, `config.tensor_parallel_size`) are th
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
