@@ -23,15 +23,18 @@ How it works:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .convert import DEFAULT_SHARD_SIZE, convert, parse_size
-from .errors import BadInputError, NotResumableError
+from .errors import BadInputError, HubOfflineError, NotResumableError
 from .fingerprint import Fingerprint, options_fingerprint, source_fingerprint
+from .hub import RepoSpec, open_source, parse_repo_spec
 from .manifest import MANIFEST_NAME
 from .staging import FileLock
 
@@ -71,32 +74,102 @@ def _current(dst: Path, record: Path, want: dict[str, Any]) -> bool:
     return not _stale_because(record, want) and _complete(dst)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a source is (a folder, or a Hub repo) and the name its entry's directory starts with;
+    found without reading anything (`_locate`). `spec`: the repo, for a Hub source."""
+
+    location: str
+    name: str
+    spec: RepoSpec | None
+
+
+def _locate(src: str | os.PathLike[str]) -> _Source:
+    path = Path(src)
+    spec = None if path.is_dir() else parse_repo_spec(src)
+    if spec is not None:
+        return _Source(spec.repo_id, spec.repo_id.replace("/", "--"), spec)
+    if not path.is_dir():
+        raise BadInputError(f"{src}: not a directory nor a Hub repo id (org/name[@revision]); give the checkpoint "
+                            "folder (config.json and safetensors files) or a repo id")
+    if not (path / "config.json").is_file():
+        raise BadInputError(f"{src}: no config.json; this is not a Hugging Face checkpoint folder")
+    return _Source(str(path.resolve()), path.resolve().name, None)
+
+
+def _fingerprint(src: str | os.PathLike[str], where: _Source) -> tuple[Fingerprint, str]:
+    """The source's fingerprint, and what `convert` is given for it.
+
+    A Hub repo is content-addressed by its commit (as a resumed conversion from it is): its revision
+    is resolved here (configs and headers only; offline, from the local Hugging Face cache, else
+    HubOfflineError), and that commit is converted, so that the entry holds what its record says
+    even if the branch moves meanwhile."""
+    if where.spec is None:
+        return source_fingerprint(Path(src)), where.location
+    opened = open_source(str(src))
+    try:
+        commit = (opened.hub or {})["commit"]
+    finally:
+        opened.close()
+    pinned = f"{where.spec.repo_id}@{commit}"
+    return Fingerprint("source", {"hub": pinned}), pinned
+
+
+def _options(*, target: str, tp: int, shard_size: int | str, mtp: bool, mla_bmm: str, profile: str, ep: bool,
+             dp_attention: bool, shared_experts: str, mori: bool) -> Fingerprint:
+    return options_fingerprint(target=target, tp=tp, shard_size=parse_size(shard_size), mtp=mtp, mla_bmm=mla_bmm,
+                               profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
+                               mori=mori)
+
+
+def _entry(cache_dir: str | os.PathLike[str], where: _Source, opts: Fingerprint, target: str, tp: int) -> Path:
+    """The entry's directory: the source's name, target and tp, and a digest of the options and of
+    where the source is (two folders or repos of the same name get two entries)."""
+    key = hashlib.sha256(f"{opts.digest}\0{where.location}".encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{where.name}-{target}-tp{tp}-{key}"
+
+
 def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950", tp: int = 1,
                shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
                profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
                mori: bool = False) -> tuple[Path, dict[str, Any]]:
     """The directory `ensure_converted` uses for these arguments, and the record it expects there:
-    {"source": path, "source_digest", "source_parts", "options_digest", "options"} (the parts of
-    the two fingerprints, fingerprint.py)."""
-    src = Path(src)
-    if not src.is_dir():
-        raise BadInputError(f"{src}: not a directory; give the checkpoint folder (config.json and safetensors files)")
-    if not (src / "config.json").is_file():
-        raise BadInputError(f"{src}: no config.json; this is not a Hugging Face checkpoint folder")
-    opts = options_fingerprint(target=target, tp=tp, shard_size=parse_size(shard_size), mtp=mtp, mla_bmm=mla_bmm,
-                               profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
-                               mori=mori)
-    srcfp = source_fingerprint(src)
-    name = f"{src.resolve().name}-{target}-tp{tp}-{opts.digest[:12]}"
-    want = {"source": str(src.resolve()), "source_digest": srcfp.digest, "options_digest": opts.digest,
-            "options": dict(opts.parts), "source_parts": dict(srcfp.parts)}
-    return Path(cache_dir) / name, want
+    {"source": where it is, "convert_from", "source_digest", "source_parts", "options_digest",
+    "options"} (the parts of the two fingerprints, fingerprint.py)."""
+    where = _locate(src)
+    opts = _options(target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
+                    dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    fp, convert_from = _fingerprint(src, where)
+    want = {"source": where.location, "convert_from": convert_from, "source_digest": fp.digest,
+            "source_parts": dict(fp.parts), "options_digest": opts.digest, "options": dict(opts.parts)}
+    return _entry(cache_dir, where, opts, target, tp), want
+
+
+def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], error: HubOfflineError,
+                   target: str, tp: int, **options: Any) -> Path:
+    """Offline, with a revision the local Hugging Face cache cannot resolve (its files deleted after
+    the conversion, say): the entry converted earlier from that repo with these options, if complete."""
+    where = _locate(src)
+    opts = _options(target=target, tp=tp, **options)
+    dst = _entry(cache_dir, where, opts, target, tp)
+    record = dst.with_name(dst.name + RECORD_SUFFIX)
+    try:
+        have = json.loads(record.read_text())
+        same = (have["source"] == where.location and not Fingerprint("options", have["options"]).changed(opts))
+        converted = have["source_parts"]["hub"]
+    except (OSError, ValueError, KeyError, TypeError):
+        same, converted = False, None
+    if not (same and _complete(dst)):
+        raise error
+    log.warning("atom-convert cache: %s cannot be resolved offline (%s); using %s, converted from %s",
+                src, error, dst, converted)
+    return dst
 
 
 def _hub_fetch(src: str | os.PathLike[str], repo: str, **options: Any) -> Fetch:
     """The `fetch` step for a Hub cache: pull `repo` into DST when its content key (hub.py: the
     source's identity without tensor data, and the options that decide the bytes) is this one's."""
-    from .hub import conversion_options, conversion_record, open_source, pull_converted
+    from .hub import conversion_options, conversion_record, pull_converted
 
     def fetch(dst: Path, _want: dict[str, Any]) -> bool:
         source = open_source(src)
@@ -120,7 +193,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     wait and return the same path.
 
     Args:
-        src: the Hugging Face checkpoint folder.
+        src: the Hugging Face checkpoint folder, or a Hub repo id `org/name[@revision]` (its revision
+            resolved to a commit at each call; that commit is what the entry holds, and a new commit
+            converts the entry again; offline, the local Hugging Face cache answers).
         cache_dir: where converted directories are kept (created if missing).
         target, tp, shard_size, mtp, mla_bmm, profile, ep, dp_attention, shared_experts, mori: as for
             `convert`; each is part of the cache key, so a server started with other parallel
@@ -142,10 +217,14 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     """
     layout = dict(target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
                   shared_experts=shared_experts, mori=mori)
-    dst, want = cache_path(src, cache_dir, shard_size=shard_size, **layout)  # type: ignore[arg-type]
+    try:
+        dst, want = cache_path(src, cache_dir, shard_size=shard_size, **layout)  # type: ignore[arg-type]
+    except HubOfflineError as e:
+        return _offline_entry(src, cache_dir, e, shard_size=shard_size, **layout)
     record = dst.with_name(dst.name + RECORD_SUFFIX)
     if _current(dst, record, want):
         return dst
+    src = want["convert_from"]  # a Hub repo: pinned to the commit the key was taken from
     if hub_cache is not None and fetch is None:
         fetch = _hub_fetch(src, hub_cache, **layout)
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,11 @@ class NotResumableError(BadInputError):
     build, so it cannot be resumed (`resume="restart"` discards it)."""
 
 
+class HubOfflineError(BadInputError):
+    """A Hub repo was needed while offline (HF_HUB_OFFLINE=1 or the Hub unreachable) and the local
+    Hugging Face cache cannot answer for it."""
+
+
 class ConvertedCheckError(BadInputError):
     """A converted directory fails its integrity checks."""
 

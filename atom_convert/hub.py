@@ -5,7 +5,8 @@ How it works:
    path always wins.
 2. `open_source` (online): `model_info(files_metadata=True)` resolves the revision to a commit and lists
    every file with its size and LFS sha256. config.json and tokenizer_config.json come first (through
-   `snapshot_download`, which also caches the commit's file list for later offline runs); the config
+   `snapshot_download` by the revision asked for, which also records in the cache the commit that
+   revision names, so that a later offline run resolves it); the config
    must describe a DeepSeek/Kimi checkpoint before anything large is fetched. Then the small files the
    conversion needs (`allow_patterns`), and the shard headers by ranged requests
    (`get_safetensors_metadata`): the plan needs only those.
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__
-from .errors import BadInputError, CheckpointError, ConvertedCheckError
+from .errors import BadInputError, CheckpointError, ConvertedCheckError, HubOfflineError
 from .manifest import AITER_REVISION, ATOM_REVISION, FORMAT_VERSION, MANIFEST_NAME, sha256_file
 from .fingerprint import SIDE_FILES
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
@@ -117,11 +118,11 @@ def _hub_error(e: Exception, spec: RepoSpec) -> BadInputError:
                              "it is private and HF_TOKEN does not grant access); check the path or the repo id, or "
                              "set HF_TOKEN for a private repo")
     if isinstance(e, IncompleteSnapshotError):
-        return BadInputError(f"{spec}: offline (HF_HUB_OFFLINE=1 or the Hub unreachable) and the local Hugging Face "
+        return HubOfflineError(f"{spec}: offline (HF_HUB_OFFLINE=1 or the Hub unreachable) and the local Hugging Face "
                              f"cache holds only part of the files a conversion needs ({e}); run once online, or "
                              f"`hf download {spec.repo_id}` with the same revision, then retry")
     if isinstance(e, LocalEntryNotFoundError):
-        return BadInputError(f"{spec}: offline (HF_HUB_OFFLINE=1 or the Hub unreachable) and not in the local "
+        return HubOfflineError(f"{spec}: offline (HF_HUB_OFFLINE=1 or the Hub unreachable) and not in the local "
                              "Hugging Face cache (HF_HOME); run once with network access (unset HF_HUB_OFFLINE) or "
                              f"`hf download {spec.repo_id}` first, then retry")
     return BadInputError(f"{spec}: the Hub request failed: {type(e).__name__}: {e}")
@@ -289,7 +290,12 @@ def _open_online(spec: RepoSpec, commit: str, remote: dict[str, RemoteFile], all
     if "config.json" not in remote:
         raise BadInputError(f"{where}: the repo has no config.json, so it is not a Hugging Face transformers "
                             "checkpoint; name a DeepSeek V2/V3/R1 or Kimi-K2 repo")
-    folder = _snapshot(spec, commit, ["config.json", "tokenizer_config.json"], offline=False)
+    # By the revision asked for, not the commit: huggingface_hub then records the revision -> commit
+    # ref in the cache, which a later offline run (`_open_cached`) resolves the revision by.
+    folder = _snapshot(spec, spec.revision or "main", ["config.json", "tokenizer_config.json"], offline=False)
+    if folder.name != commit:
+        raise BadInputError(f"{spec}: the revision moved from commit {commit[:12]} to {folder.name[:12]} while it was "
+                            "being read; run again (or pin a commit: org/name@<commit>)")
     config = _read_json(folder / "config.json", f"{where}:config.json")
     _check_architecture(config, f"{where}:config.json")
     if INDEX_NAME not in remote and SINGLE_NAME not in remote:

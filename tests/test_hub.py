@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 import atom_convert
-from atom_convert.errors import BadInputError, ConvertedCheckError
+from atom_convert.errors import BadInputError, ConvertedCheckError, HubOfflineError
 from atom_convert.hub import allow_patterns, auto_map_files, open_source, parse_repo_spec
 from atom_convert.synth import build_tiny
 from hubserver import FakeHub
@@ -377,6 +377,72 @@ def test_ensure_converted_pulls_from_a_hub_cache(hub: FakeHub, source_dir: Path,
     n = len(recorder.records)
     other = atom_convert.ensure_converted(source_dir, tmp_path / "cache", target="gfx942", tp=2, hub_cache=repo)
     assert other != got and any("converting" in msg for _, msg in recorder.records[n:])
+
+
+def test_ensure_converted_from_a_repo_id(hub: FakeHub, source_dir: Path, hf_cache: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server started with a repo id: the entry is keyed by the commit its revision resolves to,
+    found again without converting (also offline, from the local cache), converted again when the
+    branch moves to a new commit; the bytes are a local conversion's."""
+    from huggingface_hub import HfApi, constants
+
+    repo = "deepseek-ai/tiny-v3-moving"
+    api = HfApi()
+    api.create_repo(repo)
+    api.upload_folder(folder_path=source_dir, repo_id=repo)
+    first = hub.repos[repo].branches["main"]
+    cache_dir = tmp_path / "cache"
+    calls: list[str] = []
+    real = atom_convert.cache.convert
+    monkeypatch.setattr(atom_convert.cache, "convert", lambda src, *a, **k: calls.append(str(src)) or real(src, *a, **k))
+    dst = atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2)
+    assert calls == [f"{repo}@{first}"]  # pinned to the commit the key was taken from
+    assert dst.name.startswith("deepseek-ai--tiny-v3-moving-gfx950-tp2-")
+    m = json.loads((dst / "atom_manifest.json").read_text())
+    assert m["source"]["hub"]["commit"] == first
+    local = atom_convert.convert(source_dir, tmp_path / "local", "gfx950", tp=2)
+    assert all(m["files"][k] == v for k, v in local["files"].items() if k.endswith(".safetensors"))
+    assert atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2) == dst and len(calls) == 1
+    with monkeypatch.context() as mp:  # offline: the cache that conversion filled answers
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        n0 = len(hub.requests)
+        assert atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2) == dst and len(calls) == 1
+        assert len(hub.requests) == n0
+    gen = json.loads((source_dir / "generation_config.json").read_text())
+    gen["temperature"] = 0.25
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    api.upload_file(path_or_fileobj=str(tmp_path / "generation_config.json"), path_in_repo="generation_config.json",
+                    repo_id=repo)
+    second = hub.repos[repo].branches["main"]
+    assert second != first
+    assert atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2) == dst
+    assert calls[-1] == f"{repo}@{second}" and len(calls) == 2
+    assert json.loads((dst / "generation_config.json").read_text())["temperature"] == 0.25
+    # Offline with the Hugging Face cache gone (its shards deleted once converted): the entry converted
+    # from that repo with these options is used, with a warning; other options have none: refused.
+    shutil.rmtree(hf_cache)
+    with monkeypatch.context() as mp:
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        assert atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2) == dst and len(calls) == 2
+        with pytest.raises(HubOfflineError, match="offline"):
+            atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=1)
+    with pytest.raises(BadInputError, match="nor a Hub repo id"):
+        atom_convert.ensure_converted(tmp_path / "no-such-folder", cache_dir)
+
+
+def test_offline_after_an_online_conversion(hub: FakeHub, source_repo: str, hf_cache: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repo converted once online converts again offline: the first run recorded the revision's
+    commit in the Hugging Face cache (configs downloaded by revision, not by commit)."""
+    from huggingface_hub import constants
+
+    online = atom_convert.convert(SRC_REPO, tmp_path / "online", "gfx950")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    n0 = len(hub.requests)
+    offline = atom_convert.convert(SRC_REPO, tmp_path / "offline", "gfx950")
+    assert len(hub.requests) == n0
+    assert offline["source"]["hub"]["commit"] == online["source"]["hub"]["commit"] == source_repo
+    assert offline["files"] == online["files"]
 
 
 def test_pull_refuses_a_corrupt_cache_repo(hub: FakeHub, source_repo: str, hub_converted: Path, hf_cache: Path,
