@@ -3,10 +3,13 @@
 How it works:
 1. Fingerprints, without reading tensor data (fingerprint.py, the same ones a resumed
    conversion checks): the source's (config.json, the index, every safetensors file's size and
-   header, the side files and remote-code files copied into DST) and the options' (everything
+   header, the side files and remote-code files copied into DST; for a Hub repo id, the commit
+   its revision names, and offline with no way to resolve it, the entry converted earlier) and
+   the options' (everything
    that changes the bytes: target, tp, shard size, MTP, MLA operand format, profile, the
    parallel mode, tool version, layout revision). A serving start must not pay a re-hash of 700 GB.
-2. The directory is `CACHE/<source name>-<target>-tp<N>-<options digest>`; beside it
+2. The directory is `CACHE/<source name>-<target>-tp<N>-<digest of the options and of where the
+   source is>` (a Hub repo's name is `org--name`); beside it
    `<name>.cache.json` records both fingerprints. It is current when its manifest is there, every
    file the manifest lists has its recorded size (stat only) and the record matches. A current
    directory is returned at once, without a lock.
@@ -241,13 +244,12 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         record.unlink(missing_ok=True)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
             opts: dict[str, Any] = dict(layout, shard_size=shard_size, force=True, progress=progress,
-                                        workers=workers, max_memory=max_memory)
-            target_ = opts.pop("target")
+                                        workers=workers, max_memory=max_memory, notify=log.info)
             try:  # a dead converter's sealed shards are resumed (cache docstring, step 3)
-                convert(src, dst, target_, resume="auto", notify=log.info, **opts)
+                convert(src, dst, resume="auto", **opts)
             except NotResumableError as e:
                 log.info("atom-convert cache: %s; starting over", e)
-                convert(src, dst, target_, resume="restart", notify=log.info, **opts)
+                convert(src, dst, resume="restart", **opts)
         tmp = record.with_name(record.name + ".tmp")
         tmp.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, record)  # last: the directory counts as current from here on

@@ -93,17 +93,20 @@ def _large_allocations_via_mmap() -> None:
 
 
 @contextlib.contextmanager
-def _intra_op_threads(workers: int) -> Iterator[None]:
-    """Give each worker its share of the cores for torch's own intra-op threads while converting.
+def _one_intra_op_thread() -> Iterator[None]:
+    """torch ops on one thread each while converting: the parallelism is the workers'.
 
-    torch sizes its intra-op pool to every core for each thread that calls into it, so N
-    workers would run N x cores OpenMP threads, spinning against each other (BENCHMARKS.md,
-    issue 9). Process-wide in torch, hence restored afterwards.
+    A producer's ops are copies and reductions over one expert's piece (a few MB), too small to
+    gain from torch's OpenMP pool, whose threads spin between ops and take the cores that the
+    other workers, the hashing, write-behind and readahead threads need. Measured at V3 width,
+    tp=8 (BENCHMARKS.md, issue 9): 16 workers each with all 16 cores' threads spun against each
+    other; one worker on the 16-core device used 551 CPU-s; one worker on the 2-core box took
+    36-50 s and 52-69 CPU-s with one thread, 48-53 s and 80-88 CPU-s with two. Process-wide in
+    torch, hence restored afterwards.
     """
     before = torch.get_num_threads()
-    share = max(1, workers_mod.usable_cores() // workers)
-    if share < before:
-        torch.set_num_threads(share)
+    if before != 1:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
@@ -354,7 +357,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 staging.recover_swap()
                 check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
                 source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
-                with _intra_op_threads(workers):
+                with _one_intra_op_thread():
                     return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
                                 workers, budget, record)
         except BaseException:
