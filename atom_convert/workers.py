@@ -104,18 +104,22 @@ def parts_per_group(workers: int, tp: int) -> int:
 
 def items(groups: list[Group], tp: int, parts: int = 1) -> list[Item]:
     """Every (group, rank), group-major: the order the files are laid out in; a group with
-    experts is cut into up to `parts` items per rank, by contiguous expert ranges."""
+    experts is cut into up to `parts` items per rank, by contiguous expert ranges, handed out
+    range-major (range 0 of every rank, then range 1, ...). Why range-major: under MoE tensor
+    parallel every rank reads a slice of every expert, so the ranks working at once then read the
+    same experts (one range's source pages in the page cache, not the layer's, read in the order
+    the readahead brings them), and each rank's shard fills from its start, so its hashing thread
+    follows the conversion instead of hashing most of the layer after the last range."""
     out = []
     for g in groups:
         cost = working_set(g.outputs)
         units = max((o.units for o in g.outputs), default=0)
         n = min(parts, units) if units else 1
-        for r in range(tp):
-            if n == 1:
-                out.append(Item(g, r, cost))
-                continue
-            for k in range(n):
-                out.append(Item(g, r, cost, (k * units // n, (k + 1) * units // n)))
+        if n == 1:
+            out.extend(Item(g, r, cost) for r in range(tp))
+            continue
+        for k in range(n):
+            out.extend(Item(g, r, cost, (k * units // n, (k + 1) * units // n)) for r in range(tp))
     return out
 
 

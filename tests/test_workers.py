@@ -205,6 +205,11 @@ def test_working_set_estimate() -> None:
     cost = wk.working_set([stack, small])
     assert cost == wk.CHUNKS_PER_WORKER * 4096 * 7168 + wk._MIN_ITEM
     assert [i.rank for i in wk.items([Group("g", [stack, small])], 3)] == [0, 1, 2]
+    # cut into ranges: range-major, each range for every rank before the next (workers.items)
+    stack.units = 257
+    cut = wk.items([Group("g", [stack, small])], 3, parts=2)
+    assert [(i.part, i.rank) for i in cut] == [((0, 128), 0), ((0, 128), 1), ((0, 128), 2),
+                                               ((128, 257), 0), ((128, 257), 1), ((128, 257), 2)]
 
 
 # ------------------------------------------------------------------------------------------------
