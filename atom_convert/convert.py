@@ -43,7 +43,7 @@ from . import buffers, loaders, quant
 from . import workers as workers_mod
 from .errors import BadInputError, Interrupted, UnsupportedError
 from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, Fingerprint, options_fingerprint, source_fingerprint
-from .manifest import MANIFEST_NAME, build_manifest, sha256_file, write_manifest
+from .manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
 from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
@@ -54,7 +54,7 @@ from .remote_code import remote_code_files
 from .source import SourceCheckpoint
 from .staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
                       os_error_message, plan_digest, remove_created)
-from .writer import FaultHook, ShardSetWriter, WrittenFile, _IOThread, header_digest
+from .writer import FaultHook, ShardSetWriter, _IOThread, header_digest
 
 log = logging.getLogger(__name__)
 

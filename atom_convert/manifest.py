@@ -32,7 +32,15 @@ from .quant.formats import FP8_DTYPE_BY_TARGET, dtype_name
 if TYPE_CHECKING:
     from .plan import ConversionPlan, ModelPlan
     from .source import SourceCheckpoint
-    from .writer import WrittenFile
+
+@dataclass
+class WrittenFile:
+    """A file of the converted set as the manifest lists it: path relative to the set, size, sha256."""
+
+    name: str
+    nbytes: int
+    sha256: str
+
 
 MANIFEST_NAME = "atom_manifest.json"
 FORMAT_VERSION = 2
@@ -194,7 +202,7 @@ class Manifest:
         return out
 
 
-def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheckpoint", files: list["WrittenFile"],
+def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheckpoint", files: list[WrittenFile],
                    where: dict[tuple[int, str], str], copied: dict[str, dict[str, Any]], *, role: str,
                    mtp_dir: Path | None = None, seconds: float | None = None) -> dict[str, Any]:
     spec = plan.spec

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import AtomConvertError
+from .manifest import WrittenFile
 from .plan import OutTensor, ShardPlan
 from .quant.formats import ST_DTYPE
 from .staging import PARTIAL_SUFFIX, Journal, Sealed, fsync_dir
@@ -210,13 +211,6 @@ class _IOThread:
         except queue.Full:
             pass
         self._t.join(timeout)
-
-
-@dataclass
-class WrittenFile:
-    name: str
-    nbytes: int
-    sha256: str
 
 
 @dataclass
