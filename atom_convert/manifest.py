@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .plan import ConversionPlan, ModelPlan
     from .source import SourceCheckpoint
 
+
 @dataclass
 class WrittenFile:
     """A file of the converted set as the manifest lists it: path relative to the set, size, sha256."""
