@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .check import CheckReport, check_files, check_values
+from .check import CheckReport, check_files, check_values, nonfinite_sources
 from .model import ModelSpec
 from .decode import source_value
 from .reference import ConvertedModel, compare
@@ -82,7 +82,7 @@ class VerifyResult:
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "files_checked": self.check.files_checked, "tensors_checked": self.check.tensors_checked,
                 "values_checked": self.check.values_checked, "max_mla_rel_err": self.check.max_mla_rel_err,
-                "thresholds": THRESHOLDS, "rows": self.rows, "failures": self.failures}
+                "thresholds": THRESHOLDS, "rows": self.rows, "failures": self.failures, "notes": self.check.notes}
 
 
 def _judge(what: str, kind: str, m: dict[str, float]) -> dict[str, Any]:
@@ -169,6 +169,13 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     if source is None:
         return result
     check_values(dst, source, report)
+    flagged = nonfinite_sources(dst)
+    if flagged:
+        # NaN/Inf carried into the weights make every later activation NaN on both sides: there is
+        # nothing for a threshold to judge.
+        report.notes.append(f"forward comparison skipped: the source has non-finite values in {len(flagged)} "
+                            f"tensor(s) ({', '.join(sorted(flagged))}), converted with --allow-nonfinite")
+        return result
     src = SourceCheckpoint(source)
     spec = ModelSpec.from_config(src.config)
     conv = ConvertedModel(dst, device=device, ranks=_through_loader(dst, device) if through_loader else None)

@@ -752,6 +752,35 @@ def test_allow_nonfinite_converts_and_records_each_tensor(sources: Sources, tmp_
     assert check_files(dst).ok
 
 
+@pytest.mark.parametrize("target", ["gfx950", "gfx942"])
+def test_verify_source_of_an_allow_nonfinite_conversion(sources: Sources, tmp_path: Path, target: str) -> None:
+    """verify --source on such a conversion: the elements whose source value is non-finite are left
+    out (on gfx942 an e4m3fn NaN byte reads as a finite fnuz value), each tensor named in a note; the
+    rest is still compared exactly, and a non-finite value the manifest does not record is a problem."""
+    src = _fp8(sources)
+    poke(src, f"{KV_B}.weight_scale_inv", (1, 0), float("nan"))
+    poke(src, f"{O_PROJ}.weight", (5, 7), 0x7F)
+    dst = tmp_path / "dst"
+    r = run_cli(["convert", src, dst, "--tp", "2", "--target", target, "--allow-nonfinite"])
+    assert r.code == 0, r.text
+    r = run_cli(["verify", dst, "--source", src])
+    assert r.code == 0, r.text
+    assert "o_proj.weight: 1 element(s) not compared on rank" in r.text, r.text
+    assert "W_K/W_V not compared" in r.text and "forward comparison skipped" in r.text, r.text
+    # A changed finite element of the same tensor is still found.
+    f = shard_of(src, f"{O_PROJ}.weight")
+    byte = int(load_file(str(src / f))[f"{O_PROJ}.weight"].view(torch.uint8)[6, 7])
+    poke(src, f"{O_PROJ}.weight", (6, 7), byte ^ 0x01)
+    r = run_cli(["verify", dst, "--source", src])
+    assert r.code == 1 and "o_proj.weight differs from its sources in 1 element(s)" in r.text, r.text
+    poke(src, f"{O_PROJ}.weight", (6, 7), byte)
+    # A non-finite value the conversion did not meet: the source changed.
+    poke(src, f"{O_PROJ}.weight_scale_inv", (0, 0), float("inf"))
+    r = run_cli(["verify", dst, "--source", src])
+    assert r.code == 1 and f"{O_PROJ}.weight_scale_inv hold non-finite values that the conversion's manifest does " \
+        "not record" in r.text, r.text
+
+
 def test_clean_conversion_records_no_warning(converted: Callable[..., Path]) -> None:
     m = json.loads((converted(PRESET, "fp8", "gfx950") / "atom_manifest.json").read_text())
     assert m["value_checks"] == {"allow_nonfinite": False, "warnings": []}

@@ -250,6 +250,8 @@ def _report(r: Any, as_json: bool) -> None:
                    + (f" (W_K/W_V within {c.max_mla_rel_err:.4f} of amax)" if c.values_checked else ""))
         if r.rows:
             click.echo(format_table(r))
+        for n in c.notes:
+            click.echo(f"note: {n}")
         for p in r.failures:
             click.echo(f"FAIL {p}")
         click.echo("OK" if r.ok else f"{len(r.failures)} problem(s)")
