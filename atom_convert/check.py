@@ -139,8 +139,8 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
                 if name.endswith(".W_K"):
                     if flagged.intersection(e.sources):
                         # The per-tensor re-quantisation takes the amax: one NaN spreads over the operand.
-                        _note(report, f"{name.removesuffix('.W_K')}.W_K/W_V not compared: their kv_b source has "
-                                      f"non-finite values (converted with --allow-nonfinite)")
+                        _note(report, f"{name.removesuffix('.W_K')}.W_K/W_V not compared: their kv_b source holds "
+                                      f"values the conversion's checks flagged (converted with --allow-nonfinite)")
                         continue
                     _check_mla(ck, src, name.removesuffix(".W_K"), e.sources, e.split, rank, report)
                     continue

@@ -171,10 +171,11 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     check_values(dst, source, report)
     flagged = nonfinite_sources(dst)
     if flagged:
-        # NaN/Inf carried into the weights make every later activation NaN on both sides: there is
-        # nothing for a threshold to judge.
-        report.notes.append(f"forward comparison skipped: the source has non-finite values in {len(flagged)} "
-                            f"tensor(s) ({', '.join(sorted(flagged))}), converted with --allow-nonfinite")
+        # NaN/Inf carried into the weights make every later activation NaN on both sides (and a zero
+        # or negative scale is no model either): there is nothing for a threshold to judge.
+        report.notes.append(f"forward comparison skipped: {len(flagged)} source tensor(s) hold values the "
+                            f"conversion's checks flagged ({', '.join(sorted(flagged))}), converted with "
+                            f"--allow-nonfinite")
         return result
     src = SourceCheckpoint(source)
     spec = ModelSpec.from_config(src.config)
