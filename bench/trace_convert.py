@@ -111,6 +111,8 @@ def summary(tr: Trace, start: float, end: float) -> list[str]:
             busy = (pts[-1][1] + pts[-1][2] - pts[0][1] - pts[0][2]) / (pts[-1][0] - pts[0][0])
             running = sum(min(i["end"], b) - max(i["start"], a) for i in big) / (b - a)
             lines.append(f"  over {big[0]['group']} ({b - a:.2f} s): cores busy {busy:.1f}, items running {running:.1f}")
+        else:
+            lines.append(f"  over {big[0]['group']} ({b - a:.2f} s): cores busy not measured (shorter than two 0.1 s samples)")
     return lines
 
 
