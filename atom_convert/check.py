@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -37,6 +37,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
     max_mla_rel_err: float = 0.0
     notes: list[str] = field(default_factory=list)  # what was not compared, and why
+    flagged_sources: set[str] = field(default_factory=set)  # check_values: what --allow-nonfinite let through
 
     @property
     def ok(self) -> bool:
@@ -123,9 +124,10 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
     each rank as the manifest's split record says (a common tensor is checked once: every rank
     reads the same file)."""
     report = report or CheckReport()
-    flagged = nonfinite_sources(path)
+    sets = _sets(Path(path))
+    flagged = report.flagged_sources = _flagged(m for _, m in sets)
     src = SourceCheckpoint(source, allow_nonfinite=bool(flagged))
-    for root, _ in _sets(Path(path)):
+    for root, _ in sets:
         man = Manifest.read(root)
         par = man.parallel
         n_routed = int(man.raw.get("model", {}).get("n_routed_experts") or 0)
@@ -173,11 +175,11 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
     return report
 
 
-def nonfinite_sources(path: str | Path) -> set[str]:
+def _flagged(manifests: Iterable[dict[str, Any]]) -> set[str]:
     """The source tensors a conversion with --allow-nonfinite recorded as holding NaN/Inf, fp8
     NaN codes, scales <= 0 or e8m0 NaN (manifest `value_checks`); empty for any other conversion."""
     out: set[str] = set()
-    for _, m in _sets(Path(path)):  # the main set and the MTP set each record what they read
+    for m in manifests:  # the main set and the MTP set each record what they read
         vc = m.get("value_checks") or {}
         if vc.get("allow_nonfinite"):
             out.update(w["tensor"] for w in vc.get("warnings", []))

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .check import CheckReport, check_files, check_values, nonfinite_sources
+from .check import CheckReport, check_files, check_values
 from .model import ModelSpec
 from .decode import source_value
 from .reference import ConvertedModel, compare
@@ -169,7 +169,7 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     if source is None:
         return result
     check_values(dst, source, report)
-    flagged = nonfinite_sources(dst)
+    flagged = report.flagged_sources
     if flagged:
         # NaN/Inf carried into the weights make every later activation NaN on both sides (and a zero
         # or negative scale is no model either): there is nothing for a threshold to judge.

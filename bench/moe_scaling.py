@@ -39,9 +39,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from atom_convert import buffers  # noqa: E402
+from atom_convert import workers as workers_mod  # noqa: E402
 from atom_convert.convert import make_plan  # noqa: E402
 from atom_convert.plan import Group, OutTensor  # noqa: E402
 from atom_convert.source import SourceCheckpoint  # noqa: E402
+from atom_convert.writer import _as_bytes  # noqa: E402  the writer's own zero-copy byte view
 
 
 def moe_group(src: SourceCheckpoint, target: str, tp: int) -> tuple[Group, list[OutTensor]]:
@@ -53,10 +55,11 @@ def moe_group(src: SourceCheckpoint, target: str, tp: int) -> tuple[Group, list[
     return g, outs
 
 
-def items_for(outs: list[OutTensor], tp: int, workers: int) -> list[tuple[int, tuple[int, int]]]:
+def items_for(group: Group, outs: list[OutTensor], tp: int, workers: int) -> list[tuple[int, tuple[int, int]]]:
+    """(rank, expert range) as the converter cuts and orders them (workers.items)."""
     units = max(o.units for o in outs)
-    parts = min(units, max(1, -(-2 * workers // tp)))  # as workers.parts_per_group cuts them
-    return [(r, (k * units // parts, (k + 1) * units // parts)) for k in range(parts) for r in range(tp)]
+    return [(it.rank, it.part or (0, units))
+            for it in workers_mod.items([group], tp, workers_mod.parts_per_group(workers, tp))]
 
 
 def run_item(outs: list[OutTensor], rank: int, part: tuple[int, int], fd: int | None,
@@ -66,7 +69,7 @@ def run_item(outs: list[OutTensor], rank: int, part: tuple[int, int], fd: int | 
     with buffers.using(pool):
         for o in outs:
             for c in o.produce(rank, cache, part=part):
-                b = c.contiguous().reshape(-1).view(torch.uint8).numpy()
+                b = _as_bytes(c)
                 if fd is not None:
                     mv = memoryview(b)
                     while len(mv):
@@ -79,7 +82,7 @@ def run_item(outs: list[OutTensor], rank: int, part: tuple[int, int], fd: int | 
 def one_config(src_path: Path, target: str, tp: int, workers: int, mode: str, sink: str, scratch: Path) -> dict[str, Any]:
     src = SourceCheckpoint(src_path)
     group, outs = moe_group(src, target, tp)
-    work = items_for(outs, tp, workers)
+    work = items_for(group, outs, tp, workers)
     files = [scratch / f"w{i}.bin" for i in range(workers)]
 
     def open_sink(i: int) -> int | None:
