@@ -14,6 +14,7 @@ alone; `build_random` streams random tensors of any width straight to disk
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -230,9 +231,38 @@ def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]
     yield "lm_head.weight", (s.vocab, s.H), "plain"
 
 
+def _random_tensors(name: str, shape: tuple[int, ...], kind: str, fmt: str, weights: str,
+                    gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One source tensor of `source_inventory` (and its scale), random, as build_random documents."""
+    if fmt == "mxfp4" and kind == "linear":
+        if ".mlp.experts." not in name:  # Quark's kimi_k2 template: only routed experts in MXFP4
+            return {name: (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)}
+        return {name: torch.randint(0, 256, (shape[0], shape[1] // 2), generator=gen, dtype=torch.uint8),
+                name.removesuffix(".weight") + ".weight_scale":
+                    torch.randint(118, 124, (shape[0], shape[1] // 32), generator=gen, dtype=torch.uint8)}
+    if kind == "linear" and weights == "gaussian":
+        w = (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)
+        if fmt == "fp8":
+            q, s = block_quant(w)
+            return {name: q, name.removesuffix(".weight") + ".weight_scale_inv": s}
+        return {name: w}
+    if kind == "linear" and fmt == "fp8":
+        # Codes 0..253 with 0x7F moved to 0xFE: every e4m3fn code but the two NaNs (0x7F, 0xFF).
+        b = torch.randint(0, 254, shape, generator=gen, dtype=torch.uint8)
+        b += (b == 0x7F).to(torch.uint8) * 0x7F
+        return {name: b.view(torch.float8_e4m3fn),
+                name.removesuffix(".weight") + ".weight_scale_inv":
+                    torch.rand(scale_grid(shape), generator=gen) * 1e-3 + 1e-4}
+    if kind in ("router", "bias"):
+        return {name: torch.randn(shape, generator=gen) * (0.02 if kind == "bias" else shape[1] ** -0.5)}
+    if len(shape) == 1:  # norms
+        return {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)}
+    return {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
+
+
 def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed: int = 0,
-                 shard_bytes: int = 4 * 1000**3, weights: str = "bytes") -> Path:
-    """Random checkpoint of any width, written shard by shard (memory: one shard).
+                 shard_bytes: int = 4 * 1000**3, weights: str = "bytes", threads: int | None = None) -> Path:
+    """Random checkpoint of any width, written shard by shard (memory: about two shards).
 
     weights="bytes": fp8 weights are random e4m3fn bytes (NaN codes excluded)
     with random positive scales, which exercises every byte path at a fraction
@@ -242,10 +272,17 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     fmt="mxfp4": a Quark-style export with the routed experts in MXFP4 (random
     codes, e8m0 scales 2^-9..2^-4) and every other linear in bf16, as Quark's
     kimi_k2 template writes it.
+
+    Tensors are generated on `threads` threads (default: the usable cores; torch's generators
+    release the GIL), each from its own generator seeded by (seed, its index in the inventory),
+    so the bytes depend on the seed only, not on the number of threads.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .workers import usable_cores
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)
-    gen = torch.Generator().manual_seed(seed)
     buf: dict[str, torch.Tensor] = {}
     size, k, weight_map = 0, 0, {}
 
@@ -259,40 +296,34 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
         weight_map.update({n: fname for n in buf})
         buf, size = {}, 0
 
+    def make(i: int, name: str, shape: tuple[int, ...], kind: str) -> dict[str, torch.Tensor]:
+        return _random_tensors(name, shape, kind, fmt, weights, torch.Generator().manual_seed((seed << 24) + i))
+
     excluded: list[str] = []
-    for name, shape, kind in source_inventory(cfg):
-        if fmt == "mxfp4" and kind == "linear":
-            if ".mlp.experts." not in name:  # Quark's kimi_k2 template: only routed experts in MXFP4
-                excluded.append(name.removesuffix(".weight"))
-                tensors = {name: (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)}
-            else:
-                tensors = {name: torch.randint(0, 256, (shape[0], shape[1] // 2), generator=gen, dtype=torch.uint8),
-                           name.removesuffix(".weight") + ".weight_scale":
-                               torch.randint(118, 124, (shape[0], shape[1] // 32), generator=gen, dtype=torch.uint8)}
-        elif kind == "linear" and weights == "gaussian":
-            w = (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)
-            if fmt == "fp8":
-                q, s = block_quant(w)
-                tensors = {name: q, name.removesuffix(".weight") + ".weight_scale_inv": s}
-            else:
-                tensors = {name: w}
-        elif kind == "linear" and fmt == "fp8":
-            b = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-            b[(b & 0x7F) == 0x7F] = 0x3C  # no NaN codes
-            tensors = {name: b.view(torch.float8_e4m3fn),
-                       name.removesuffix(".weight") + ".weight_scale_inv":
-                           torch.rand(scale_grid(shape), generator=gen) * 1e-3 + 1e-4}
-        elif kind in ("router", "bias"):
-            tensors = {name: torch.randn(shape, generator=gen) * (0.02 if kind == "bias" else shape[1] ** -0.5)}
-        elif len(shape) == 1:  # norms
-            tensors = {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)}
-        else:
-            tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
-        for n, t in tensors.items():
-            buf[n] = t
-            size += t.numel() * t.element_size()
-        if size >= shard_bytes:
-            flush()
+    pending: list[tuple[Any, int]] = []  # futures in inventory order, with their planned bytes
+    ahead = 0  # elements (1-4 bytes each) submitted and not yet taken: about a shard ahead at most
+    with ThreadPoolExecutor(max_workers=threads or usable_cores()) as pool:
+        inventory = iter(enumerate(source_inventory(cfg)))
+        while True:
+            while ahead < shard_bytes:
+                nxt = next(inventory, None)
+                if nxt is None:
+                    break
+                i, (name, shape, kind) = nxt
+                if fmt == "mxfp4" and kind == "linear" and ".mlp.experts." not in name:
+                    excluded.append(name.removesuffix(".weight"))
+                nbytes = math.prod(shape)  # elements: a size estimate
+                pending.append((pool.submit(make, i, name, shape, kind), nbytes))
+                ahead += nbytes
+            if not pending:
+                break
+            fut, nbytes = pending.pop(0)
+            ahead -= nbytes
+            for n, t in fut.result().items():
+                buf[n] = t
+                size += t.numel() * t.element_size()
+            if size >= shard_bytes:
+                flush()
     flush()
     n = k
     renamed = {}
