@@ -190,7 +190,8 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
                      profile: str = "atom", ep: bool = False, dp_attention: bool = False,
                      shared_experts: str = "fused", mori: bool = False, fetch: Fetch | None = None,
                      timeout: float | None = None, progress: bool = False, hub_cache: str | None = None,
-                     workers: int | None = None, max_memory: int | str | None = None) -> Path:
+                     workers: int | None = None, worker_mode: str = "auto",
+                     max_memory: int | str | None = None) -> Path:
     """The converted directory for `src` and these options inside `cache_dir`, converting only when it
     is missing or stale. Safe to call from every rank of a server at once: one converts, the others
     wait and return the same path.
@@ -211,8 +212,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
             when its content key matches this source and these options, it is downloaded and
             checked instead of converting (the `fetch` step; hub.pull_converted).
         progress: a progress bar while converting.
-        workers, max_memory: as for `convert`; None (the default here): every usable core, half of
-            the available memory (a serving start waits for this conversion, so it uses the host).
+        workers, worker_mode, max_memory: as for `convert`; None (the default here): every usable
+            core, half of the available memory (a serving start waits for this conversion, so it uses
+            the host). The worker processes are forked from the caller and touch no GPU.
 
     Example:
         >>> dst = atom_convert.ensure_converted("DeepSeek-V3", "/cache/atom", target="gfx950", tp=8)
@@ -244,7 +246,8 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         record.unlink(missing_ok=True)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
             opts: dict[str, Any] = dict(layout, shard_size=shard_size, force=True, progress=progress,
-                                        workers=workers, max_memory=max_memory, notify=log.info)
+                                        workers=workers, worker_mode=worker_mode, max_memory=max_memory,
+                                        notify=log.info)
             try:  # a dead converter's sealed shards are resumed (cache docstring, step 3)
                 convert(src, dst, resume="auto", **opts)
             except NotResumableError as e:

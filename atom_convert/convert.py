@@ -39,14 +39,14 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from . import buffers, loaders, quant
+from . import buffers, loaders, procs, quant
 from . import workers as workers_mod
 from .errors import BadInputError, Interrupted, UnsupportedError
 from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, Fingerprint, options_fingerprint, source_fingerprint
 from .manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
-from .plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
+from .plan import COMMON, ConversionPlan, ModelPlan, OutTensor, ShardPlan, assign_shards
 from .prefetch import Prefetcher
 from .profile import get_profile
 from .quant.formats import TARGETS
@@ -54,7 +54,7 @@ from .remote_code import remote_code_files
 from .source import SourceCheckpoint
 from .staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
                       os_error_message, plan_digest, remove_created)
-from .writer import FaultHook, ShardSetWriter, _IOThread, header_digest
+from .writer import FaultHook, ProcessShardWriter, ShardSetWriter, _IOThread, header_digest
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
 
 RESUME_MODES = ("auto", "resume", "restart")
+WORKER_MODES = ("auto", "process", "thread")
 _log = logging.getLogger("atom_convert")
 
 
@@ -167,63 +168,142 @@ def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, Set
     return main, mtp
 
 
-def _write_set(layout: SetLayout, root: Path, subdir: str, plan: ConversionPlan, progress: Callable[[int], None],
+def _item_outputs(item: workers_mod.Item, plan: ConversionPlan,
+                  writer: ShardSetWriter) -> Iterator[tuple[OutTensor, int, int, tuple[int, int] | None]]:
+    """What `item` produces: (output, writer slot, rank to produce for, unit range or None).
+    The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
+    item (its split has one piece, so every rank's producer would yield the same bytes). An output
+    whose shard an interrupted run sealed is not produced at all."""
+    tp = plan.tp
+    for out in item.group.outputs:
+        slot = tp if plan.is_common(out) else item.rank
+        takes, part = item.takes(out)
+        if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
+            continue
+        yield out, slot, 0 if slot == tp else item.rank, part
+
+
+def _convert_item(item: workers_mod.Item, plan: ConversionPlan, writer: ShardSetWriter, io: _IOThread,
+                  pool: buffers.BufferPool) -> None:
+    """Produce and write one item, on a worker thread or in a worker process."""
+    writer.use_io(io)
+    log.debug("%s (rank %d): converting", item.group.key, item.rank)
+    cache: dict[str, Any] = {}
+    with buffers.using(pool):
+        for out, slot, rank, part in _item_outputs(item, plan, writer):
+            chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
+            writer.write(slot, out, chunks, part)
+    # Wait for this item's writes: queued buffers may be views of source pages, and the
+    # worker's next item must start with none of them alive (bounded working set).
+    io.drain()
+
+
+@dataclass
+class _SetWork:
+    """One converted set as the workers see it: its layout, folder, writer slots and items."""
+
+    layout: SetLayout
+    subdir: str
+    work: list[workers_mod.Item]
+
+    @property
+    def shards(self) -> list[list[ShardPlan]]:
+        return self.layout.shards + [self.layout.common]  # slot tp: the common files
+
+    @property
+    def largest(self) -> int:
+        """The largest item's working set (workers.working_set)."""
+        return max((workers_mod.working_set(g.outputs) for g in self.layout.plan.groups), default=0)
+
+
+def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], root: Path, src: SourceCheckpoint,
+                      kept: dict[str, Sealed], stop: Any, fault: FaultHook | None) -> procs.WorkerProcesses:
+    """Fork the conversion's worker processes (procs.py); a task is (set key, item number)."""
+    keep = max(s.largest for s in sets.values())
+
+    def start(send: procs.Send) -> dict[str, Any]:  # in each worker process, right after the fork
+        src.after_fork()
+        return {"send": send, "writers": {}, "io": _IOThread(stop=stop), "pool": buffers.BufferPool(keep_bytes=keep)}
+
+    def run(task: tuple[str, int], state: dict[str, Any]) -> list[dict[str, Any]]:
+        key, i = task
+        job, writers, send = sets[key], state["writers"], state["send"]
+        if key not in writers:
+            writers[key] = ProcessShardWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), kept, stop,
+                                              fault, report=lambda f, a, n: send(("w", f, a, n)))
+        _convert_item(job.work[i], plan, writers[key], state["io"], state["pool"])
+        return src.values.take()  # --allow-nonfinite records, merged by the parent
+
+    def end(state: dict[str, Any], ok: bool) -> None:
+        try:
+            state["io"].close() if ok else state["io"].abort()
+        finally:
+            for w in state["writers"].values():
+                w.close()
+
+    return procs.WorkerProcesses(n, start=start, run=run, end=end, stop=stop)
+
+
+def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progress: Callable[[int], None],
                src: SourceCheckpoint, staging: Staging, kept: dict[str, Sealed], fault: FaultHook | None,
-               workers: int, max_memory: int) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+               workers: int, max_memory: int, stop: Any,
+               pool: procs.WorkerProcesses | None) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+    """Convert one set on `pool`'s processes, or on `workers` threads when there is no pool."""
     tp = plan.tp
     assert staging.journal is not None
-    stop = threading.Event()
-    # The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
-    # item (its split has one piece, so every rank's producer would yield the same bytes).
-    writer = ShardSetWriter(root, subdir, layout.shards + [layout.common], layout.plan.outputs(), staging.journal,
-                            kept, on_bytes=progress, stop=stop, fault=fault)
+    writer = ShardSetWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), staging.journal, kept,
+                            on_bytes=progress, stop=stop, fault=fault)
     progress(writer.kept_bytes)
+    groups = job.layout.plan.groups
+    group_index = {id(g): i for i, g in enumerate(groups)}
+    ahead = Prefetcher(src, groups, tp) if hasattr(os, "posix_fadvise") else None
+    budget = workers_mod.Budget(max_memory, stop)
 
-    group_index = {id(g): i for i, g in enumerate(layout.plan.groups)}
-    ahead = Prefetcher(src, layout.plan.groups, tp) if hasattr(os, "posix_fadvise") else None
-    # Output chunks come from reused buffers (buffers.py); the free ones it keeps stay within what
-    # the workers' working sets may hold anyway.
-    largest = max((workers_mod.working_set(g.outputs) for g in layout.plan.groups), default=0)
-    pool = buffers.BufferPool(keep_bytes=min(max_memory, workers * largest))
-
-    def convert_item(item: workers_mod.Item, io: object) -> None:
-        assert isinstance(io, _IOThread)
+    def reached(item: workers_mod.Item) -> None:
         if ahead is not None:
             ahead.reached(group_index[id(item.group)])
-        writer.use_io(io)
-        log.debug("%s (rank %d): converting", item.group.key, item.rank)
-        cache: dict[str, Any] = {}
-        with buffers.using(pool):
-            for out in item.group.outputs:
-                slot = tp if plan.is_common(out) else item.rank
-                takes, part = item.takes(out)
-                if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
-                    continue  # common: produced once; sealed by an interrupted run: not produced at all
-                rank = 0 if slot == tp else item.rank
-                chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
-                writer.write(slot, out, chunks, part)
-        # Wait for this item's writes: queued buffers may be views of source pages, and the
-        # worker's next item must start with none of them alive (bounded working set).
-        io.drain()
 
-    def end_worker(io: object) -> None:
-        if isinstance(io, _IOThread):
-            if stop.is_set():
-                io.abort()  # bounded: a stuck write cannot hold the stop
-            else:
-                io.close()
-
+    # Threads draw output chunks from one pool of reused buffers (buffers.py; each worker process
+    # has its own); the free ones it keeps stay within what the workers' working sets may hold.
+    buffer_pool = buffers.BufferPool(keep_bytes=0 if pool is not None else min(max_memory, workers * job.largest))
     try:
-        work = workers_mod.items(layout.plan.groups, tp, workers_mod.parts_per_group(workers, tp))
-        workers_mod.run_items(work, convert_item, workers=workers,
-                              budget=workers_mod.Budget(max_memory, stop), stop=stop,
-                              worker_state=lambda: _IOThread(stop=stop), end_worker=end_worker)
+        if pool is not None:
+            def prepare(item: workers_mod.Item) -> None:  # here, before the item is handed to a process
+                reached(item)
+                files: set[str] = set()
+                for out, slot, rank, _ in _item_outputs(item, plan, writer):
+                    writer.open_shards(slot, [out.name])
+                    files.update(src.info(n).file for n in out.sources_of(rank) if n in src)
+                src.wait_for(sorted(files))
+                log.debug("%s (rank %d): to a worker process", item.group.key, item.rank)
+
+            def finished(item: workers_mod.Item, records: list[dict[str, Any]]) -> None:
+                src.values.merge(records)
+                log.debug("%s (rank %d): converted", item.group.key, item.rank)
+
+            pool.run_items(job.work, lambda i: (key, i), budget=budget, prepare=prepare,
+                           message=lambda m: writer.written_elsewhere(m[1], m[2], m[3]), finished=finished)
+        else:
+            def convert_item(item: workers_mod.Item, io: object) -> None:
+                assert isinstance(io, _IOThread)
+                reached(item)
+                _convert_item(item, plan, writer, io, buffer_pool)
+
+            def end_worker(io: object) -> None:
+                if isinstance(io, _IOThread):
+                    if stop.is_set():
+                        io.abort()  # bounded: a stuck write cannot hold the stop
+                    else:
+                        io.close()
+
+            workers_mod.run_items(job.work, convert_item, workers=workers, budget=budget, stop=stop,
+                                  worker_state=lambda: _IOThread(stop=stop), end_worker=end_worker)
         files = writer.close()
     except BaseException:
         writer.abort()
         raise
     finally:
-        pool.clear()
+        buffer_pool.clear()
         if ahead is not None:
             ahead.close()
     where = dict(writer.tensor_file)
@@ -264,7 +344,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
             dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, resume: str = "auto",
             wait: bool = False, notify: Callable[[str], None] | None = None, workers: int | None = 1,
-            max_memory: int | str | None = None, allow_nonfinite: bool = False, revision: str | None = None,
+            worker_mode: str = "auto", max_memory: int | str | None = None, allow_nonfinite: bool = False, revision: str | None = None,
             hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
@@ -291,8 +371,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             "resume" does the same and says when there is nothing to resume; "restart" discards it.
         wait: when another conversion into `dst` runs, wait for it instead of refusing.
         notify: receives one-line notes (resuming, waiting); default: the "atom_convert" logger.
-        workers: threads converting (layer, rank) items in parallel; None: every usable core (the
-            CLI's default). The output is byte-identical for every value.
+        workers: how many (layer, rank) items are converted in parallel; None: every usable core
+            (the CLI's default). The output is byte-identical for every value.
+        worker_mode: "auto" (default): with more than one worker, forked worker processes where
+            the platform can fork (procs.py), else threads; "process" or "thread" to choose.
         max_memory: byte budget for the workers' working sets (bytes or text like "16GB"); None:
             half of the memory available. Workers wait rather than exceed it.
         allow_nonfinite: convert even when source values are NaN/Inf, fp8 NaN codes, scales <= 0
@@ -320,6 +402,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     workers = workers_mod.usable_cores() if workers is None else workers
     if workers < 1:
         raise BadInputError(f"workers must be >= 1, got {workers}")
+    if worker_mode not in WORKER_MODES:
+        raise BadInputError(f"worker_mode={worker_mode!r}; choose one of {', '.join(WORKER_MODES)}")
+    if worker_mode == "process" and not procs.available():
+        raise BadInputError("worker processes need fork(), which this platform does not offer; use "
+                            "--worker-mode thread (worker_mode='thread')")
+    if worker_mode == "auto":
+        worker_mode = "process" if procs.available() else "thread"
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
     from .hub import conversion_options, conversion_record, open_source, pull_converted
 
@@ -356,10 +445,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 staging = Staging(paths, note)
                 staging.recover_swap()
                 check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
-                source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
                 with _one_intra_op_thread():
                     return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
-                                workers, budget, record)
+                                workers, worker_mode, budget, record)
         except BaseException:
             if not os.path.lexists(paths.staging):
                 remove_created(created)
@@ -375,7 +463,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 
 def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, source: SourceCheckpoint,
          staging: Staging, header: dict[str, Any], planned: dict[str, str], resume: str, progress: bool,
-         t0: float, workers: int, budget: int, record: dict[str, Any]) -> dict[str, Any]:
+         t0: float, workers: int, worker_mode: str, budget: int, record: dict[str, Any]) -> dict[str, Any]:
     """Steps 4-6 of the module docstring, under the lock; the failure policy is here."""
     fault = FaultHook.from_env()
     try:
@@ -387,16 +475,43 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
     tmp = staging.root
     total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common]
                 for s in r)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
+    parts = workers_mod.parts_per_group(workers, plan.tp)
+    sets = {"main": _SetWork(main, "", workers_mod.items(main.plan.groups, plan.tp, parts))}
+    if mtp_layout is not None:
+        sets["mtp"] = _SetWork(mtp_layout, MTP_DIR, workers_mod.items(mtp_layout.plan.groups, plan.tp, parts))
+    stop: Any = threading.Event()
+    pool: procs.WorkerProcesses | None = None
+    bar: tqdm | None = None
+
+    def end_pool() -> None:
+        """The worker processes gone (stopped first unless they finished), before any cleanup."""
+        if pool is not None and not pool.ended:
+            stop.set()
+            pool.close()
+
     try:
+        if worker_mode == "process" and workers > 1:
+            # Forked before this conversion starts threads of its own (procs.py, step 1), so before
+            # the Hub downloads and the progress bar below; for both sets.
+            stop = procs.SharedFlag()
+            try:
+                pool = _worker_processes(min(workers, max(len(j.work) for j in sets.values())), plan, sets, tmp,
+                                         source, kept, stop, fault)
+            except procs.StartFailed as e:
+                log.warning("%s (a thread of this process held a lock across the fork); converting on %d threads "
+                            "instead", e, workers)
+                stop = threading.Event()
+        source.begin(_read_order(plan, source))  # a Hub source starts its downloads in this order
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="atom-convert", disable=not progress)
         # The main set first: it reads the shards in file order, so a source still downloading
         # is converted as it arrives; the MTP layer lives in the last shards.
-        files, where = _write_set(main, tmp, "", plan, bar.update, source, staging, kept, fault, workers, budget)
+        files, where = _write_set("main", sets["main"], tmp, plan, bar.update, source, staging, kept, fault, workers,
+                                  budget, stop, pool)
         copied = _copy_side_files(source.path, tmp)
         mtp_manifest = None
         if mtp_layout is not None:
-            mfiles, mwhere = _write_set(mtp_layout, tmp, MTP_DIR, plan, bar.update, source, staging, kept, fault,
-                                        workers, budget)
+            mfiles, mwhere = _write_set("mtp", sets["mtp"], tmp, plan, bar.update, source, staging, kept, fault,
+                                        workers, budget, stop, pool)
             mcopied = _copy_side_files(source.path, tmp / MTP_DIR)
             mtp_manifest = build_manifest(plan, mtp_layout.plan, source, mfiles, mwhere, mcopied, role="mtp")
             write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
@@ -404,10 +519,13 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
                                   mtp_dir=tmp / MTP_DIR if mtp_manifest else None,
                                   seconds=time.perf_counter() - t0)
         manifest["conversion"] = record
+        if pool is not None:
+            pool.close()  # every item is done: they leave
         write_manifest(tmp / MANIFEST_NAME, manifest)  # last: its presence means complete
         staging.commit()
         return manifest
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the CLI's handler
+        end_pool()
         staging.close()
         staging.remove_partials()
         signum = getattr(e, "signum", signal.SIGINT)
@@ -421,6 +539,7 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
             msg = f"interrupted by {how} before any shard was sealed; nothing was kept"
         raise Interrupted(signum, msg) from None
     except OSError as e:
+        end_pool()
         m = os_error_message(e, staging, staging.paths)
         if m is None:
             staging.remove()
@@ -433,10 +552,13 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
             staging.remove()
         raise BadInputError(text) from e
     except BaseException:
+        end_pool()
         staging.remove()
         raise
     finally:
-        bar.close()
+        end_pool()
+        if bar is not None:
+            bar.close()
 
 
 def _read_order(plan: ConversionPlan, source: SourceCheckpoint) -> list[str]:

@@ -19,10 +19,23 @@ def json_kind(v: Any) -> str:
             float: "a number"}.get(type(v), type(v).__name__)
 
 
+def _rebuild(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> Exception:
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
+
 class AtomConvertError(Exception):
     """Base class of atom-convert's own errors."""
 
     exit_code = 1
+
+    def __reduce__(self) -> Any:
+        # Pickled as they are (a worker process reports its error to the converting process,
+        # procs.py): the message and attributes as raised, not re-run through a subclass's
+        # __init__ (CheckpointError would wrap its own message a second time).
+        return _rebuild, (type(self), self.args, self.__dict__)
 
 
 class BadInputError(AtomConvertError):

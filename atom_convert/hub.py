@@ -222,7 +222,13 @@ class HubSource(SourceCheckpoint):
         return self._futures[file].result()
 
     def _before_open(self, file: str) -> None:
+        if self._forked:  # a worker process: the converting process waited for it (wait_for)
+            return
         self.wait(file)
+
+    def after_fork(self) -> None:
+        super().after_fork()
+        self._lock = threading.Lock()
 
     def wait_all(self) -> None:
         for f in self.files:

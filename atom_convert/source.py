@@ -254,6 +254,7 @@ class SourceCheckpoint:
     """
 
     hub: dict[str, str] | None = None  # repo_id, revision, commit when the folder is a Hub snapshot
+    _forked = False  # True in a worker process (after_fork)
 
     def __init__(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False):
         self.path = Path(path)
@@ -409,6 +410,21 @@ class SourceCheckpoint:
 
     def begin(self, file_order: list[str]) -> None:
         """Called once the plan is known, with the files in the order conversion reads them."""
+
+    def wait_for(self, files: list[str]) -> None:
+        """Block until these files can be read (a Hub source: downloaded and verified). The
+        converting process calls it before it hands a worker process an item that reads them."""
+        for f in files:
+            self._before_open(f)
+
+    def after_fork(self) -> None:
+        """In a worker process (procs.py), right after the fork: fresh locks (another thread of
+        the parent may have held one at the fork), value records of its own. The mappings the
+        parent had made stay valid; new ones are this process's. Files are read only once the
+        parent's `wait_for` has returned for them, so nothing here waits for a download."""
+        self._maps_lock = threading.Lock()
+        self.values.after_fork()
+        self._forked = True
 
     def close(self) -> None:
         with self._maps_lock:

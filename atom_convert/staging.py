@@ -33,6 +33,7 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -168,6 +169,27 @@ def remove_created(created: list[Path]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+_HELD: "weakref.WeakSet[FileLock]" = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a worker process, procs.py): close the descriptors of the locks the
+    parent holds. A flock belongs to the open file, which the child shares: a worker outliving a
+    killed converter would otherwise keep DST locked against the resume. Only the descriptor
+    is closed (the parent still holds the lock), and the child's copy then releases nothing."""
+    for lock in list(_HELD):
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class FileLock:
     """An exclusive `flock` on `path`, which the kernel releases when its holder dies (so a crashed
     holder never blocks the next one). The file names the holder (pid, host, since when) for the
@@ -239,6 +261,7 @@ class FileLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(info).encode(), 0)
                 self._fd = fd
+                _HELD.add(self)
                 return
             except BaseException:
                 os.close(fd)

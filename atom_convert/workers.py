@@ -148,6 +148,16 @@ class Budget:
             self.peak = max(self.peak, self.used)
             return True
 
+    def try_acquire(self, n: int) -> bool:
+        """`acquire` without the wait: False when the item does not fit now."""
+        with self._cond:
+            if self.running and self.used + n > self.limit:
+                return False
+            self.used += n
+            self.running += 1
+            self.peak = max(self.peak, self.used)
+            return True
+
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n

@@ -97,8 +97,13 @@ class FaultHook:
     ENV = "ATOM_CONVERT_TEST_SIGNAL_AT_BYTE"
 
     def __init__(self, at: int, signum: int):
-        self.at, self.signum, self.done = at, signum, 0
-        self._lock = threading.Lock()
+        import multiprocessing
+
+        self.at, self.signum = at, signum
+        # Shared memory, so that worker processes (procs.py) count into the same total; the
+        # signal goes to the converting process, whichever process writes the byte.
+        self._done = multiprocessing.Value("q", 0)
+        self.pid = os.getpid()
 
     @classmethod
     def from_env(cls) -> "FaultHook | None":
@@ -108,14 +113,21 @@ class FaultHook:
         at, name = spec.split(":")
         return cls(int(at), int(getattr(signal, name)))
 
+    @property
+    def done(self) -> int:
+        return int(self._done.value)
+
     def cut(self, n: int) -> int | None:
         """Count `n` bytes about to be written; where the signal falls inside them, the offset."""
-        with self._lock:
-            before, self.done = self.done, self.done + n
+        with self._done.get_lock():
+            before = self._done.value
+            self._done.value = before + n
         return self.at - before if before < self.at <= before + n else None
 
     def fire(self) -> None:
-        os.kill(os.getpid(), self.signum)
+        os.kill(self.pid, self.signum)
+        if os.getpid() != self.pid and self.signum == signal.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker process dies with the converter, at once
 
 
 class Cancelled(Exception):
@@ -224,39 +236,29 @@ class _Piece:
 _HASH_READ = 8 << 20  # read-back block of the hashing threads
 
 
-class ShardFile:
-    """One shard from its first byte to its seal, written in any order by several threads.
+def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
+    """A planned shard's header, each tensor's absolute byte offset, and the file's size."""
+    header = shard_header(plan, outputs)
+    offsets, off = {}, len(header)
+    for n in plan.names:
+        offsets[n] = off
+        off += outputs[n].nbytes
+    return header, offsets, off
 
-    Bytes go to `<final>.partial` at their offsets (`pwrite`, then `done`); the shard's own
-    hashing thread (`hash_and_seal`) follows the contiguous written prefix, and at the end
-    fsyncs, renames the file to its final name, fsyncs the directory and records the shard in
-    the journal. `discard` removes an unsealed shard.
-    """
 
-    def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
-                 journal: Journal, fault: FaultHook | None = None):
+class _ShardIO:
+    """A shard's `.partial` file open for positional writes (`pwrite`), with the test fault hook."""
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
+                 flags: int):
         self.rel = rel
         self.plan = plan
         self.final = root / rel
         self.tmp = self.final.with_name(self.final.name + PARTIAL_SUFFIX)
-        self.header = header
         self.offsets = offsets  # tensor name -> absolute offset of its bytes
-        self.size = size  # header + data
-        self.journal = journal
         self.fault = fault
-        self.fd = self._io(os.open, self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # umask applies
-        self.cond = threading.Condition()
-        self.ends: dict[int, int] = {}  # done ranges not yet joined to the prefix: start -> end
-        self.frontier = 0  # bytes [0, frontier) are written
-        self.nbytes = 0  # bytes written (any order)
-        self.hashed = 0
-        self.sha = hashlib.sha256()
-        self.aborted = False
-        self.error: BaseException | None = None
-        self.closed = False
-        self.sealed: Sealed | None = None
         self.written: dict[str, list[tuple[int, int]]] = {}  # tensor -> unit ranges handed over
-        self.thread: threading.Thread | None = None
+        self.fd = self._io(os.open, self.tmp, flags, 0o666)  # umask applies
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
@@ -283,6 +285,35 @@ class ShardFile:
             n = self._io(_pwrite, self.fd, mv, offset)
             offset += n
             mv = mv[n:]
+
+
+class ShardFile(_ShardIO):
+    """One shard from its first byte to its seal, written in any order by several threads (or
+    worker processes, which write through descriptors of their own and report what they wrote).
+
+    Bytes go to `<final>.partial` at their offsets (`pwrite`, then `done`); the shard's own
+    hashing thread (`hash_and_seal`) follows the contiguous written prefix, and at the end
+    fsyncs, renames the file to its final name, fsyncs the directory and records the shard in
+    the journal. `discard` removes an unsealed shard.
+    """
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
+                 journal: Journal, fault: FaultHook | None = None):
+        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self.header = header
+        self.size = size  # header + data
+        self.journal = journal
+        self.cond = threading.Condition()
+        self.ends: dict[int, int] = {}  # done ranges not yet joined to the prefix: start -> end
+        self.frontier = 0  # bytes [0, frontier) are written
+        self.nbytes = 0  # bytes written (any order)
+        self.hashed = 0
+        self.sha = hashlib.sha256()
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.closed = False
+        self.sealed: Sealed | None = None
+        self.thread: threading.Thread | None = None
 
     def done(self, start: int, n: int) -> None:
         """Bytes [start, start + n) are in the file (called after pwrite returned)."""
@@ -412,13 +443,8 @@ class ShardSetWriter:
         with self._lock:
             sh = self._open.get(plan.file)
             if sh is None:
-                outs = [self.by_name[n] for n in plan.names]
-                header = shard_header(plan, self.by_name)
-                offsets, off = {}, len(header)
-                for o in outs:
-                    offsets[o.name] = off
-                    off += o.nbytes
-                sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, off, self.journal,
+                header, offsets, size = shard_layout(plan, self.by_name)
+                sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
                                self.fault)
                 self._open[plan.file] = sh
                 sh.thread = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}",
@@ -426,6 +452,23 @@ class ShardSetWriter:
                 sh.thread.start()
                 self._write(sh, _Piece(0, header))
         return sh
+
+    def open_shards(self, slot: int, names: Iterable[str]) -> None:
+        """Create (header, hashing thread) the unsealed shards that hold these tensors of `slot`:
+        the converting process does it before a worker process, which opens the files by name
+        and never creates one, writes into them (procs.py)."""
+        for n in names:
+            plan = self.place.get((slot, n))
+            if plan is not None and plan.file not in self.kept:
+                self._shard(plan)
+
+    def written_elsewhere(self, file: str, start: int, n: int) -> None:
+        """A worker process wrote bytes [start, start + n) of the shard `file` (ProcessShardWriter)."""
+        sh = self._open.get(file)
+        if sh is None:
+            raise AtomConvertError(f"internal: a worker process wrote {file}, which is not open")
+        sh.done(start, n)
+        self._progress(n)
 
     def use_io(self, io: "_IOThread | None") -> None:
         """Route the calling thread's writes through `io` (its write-behind thread); None: inline."""
@@ -520,3 +563,51 @@ class ShardSetWriter:
                 sh.thread.join(timeout)
             sh.close_fd()
             sh.discard()
+
+
+class _ReportingShard(_ShardIO):
+    """A shard file as a worker process writes it: its own descriptor (the converting process
+    created the file), and each buffer written is reported instead of hashed here."""
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
+                 report: Callable[[str, int, int], None]):
+        super().__init__(root, rel, plan, offsets, fault, os.O_WRONLY)
+        self._report = report
+
+    def done(self, start: int, n: int) -> None:
+        self._report(self.plan.file, start, n)
+
+    def close_fd(self) -> None:
+        os.close(self.fd)
+
+
+class ProcessShardWriter(ShardSetWriter):
+    """The writer inside a worker process (procs.py): the same `write` (planned offsets, unit
+    ranges, write-behind thread), through this process's own descriptors; `report(file, start, n)`
+    tells the converting process what was written, whose `written_elsewhere` feeds the shard's
+    hashing thread and the progress bar. It never creates, seals or removes a file."""
+
+    def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
+                 kept: dict[str, Sealed] | None, stop: Any, fault: FaultHook | None,
+                 report: Callable[[str, int, int], None]):
+        super().__init__(root, subdir, shards, outputs, None, kept, stop=stop, fault=fault)  # type: ignore[arg-type]
+        self._report = report
+
+    def _shard(self, plan: ShardPlan) -> Any:
+        with self._lock:
+            sh = self._open.get(plan.file)
+            if sh is None:
+                _, offsets, _ = shard_layout(plan, self.by_name)
+                sh = _ReportingShard(self.root, self.prefix + plan.file, plan, offsets, self.fault, self._report)
+                self._open[plan.file] = sh  # type: ignore[assignment]
+        return sh
+
+    def close(self) -> list[WrittenFile]:
+        with self._lock:
+            for sh in self._open.values():
+                sh.close_fd()
+            self._open.clear()
+        return []
+
+    def abort(self, timeout: float = 10.0) -> None:
+        self.close()  # the converting process decides about the files

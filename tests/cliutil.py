@@ -26,3 +26,27 @@ def leftovers(dst: Path) -> list[str]:
     """The tool's own names beside DST (staging directory, lock file, replaced DST) left in its
     parent: none may outlive a run that ended, unless it says it kept them for a resume."""
     return sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}."))
+
+
+class Shared:
+    """An integer that a conversion's forked worker processes share with the test (shared memory):
+    a test patches the writer in this process, the worker processes inherit the patch through the
+    fork, and every count lands here, whichever process made it."""
+
+    def __init__(self, value: int = 0):
+        import multiprocessing
+
+        self._v = multiprocessing.Value("q", value)
+
+    def add(self, n: int = 1) -> int:
+        """Add `n`; the new value (atomic across processes)."""
+        with self._v.get_lock():
+            self._v.value += n
+            return int(self._v.value)
+
+    def set(self, value: int) -> None:
+        self._v.value = value
+
+    @property
+    def value(self) -> int:
+        return int(self._v.value)

@@ -131,7 +131,8 @@ def test_conversion_from_the_pool_writes_the_same_bytes(sources: Callable[..., P
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          fmt: str, target: str, tp: int) -> None:
     """Every output chunk drawn from the pool (MIN_BYTES 0, so the tiny checkpoints use it too), with
-    several workers whose writer threads free the slabs while the producers take them."""
+    several worker threads whose writer threads free the slabs while the producers take them, and
+    with worker processes (a pool each; the counts below are the threads' run's)."""
     src = sources(fmt, tp)
     plain = tmp_path / "plain"
     monkeypatch.setattr(buffers, "using", lambda pool: buffers.contextlib.nullcontext())
@@ -147,6 +148,9 @@ def test_conversion_from_the_pool_writes_the_same_bytes(sources: Callable[..., P
     monkeypatch.setattr(buffers.BufferPool, "__init__", init)
     monkeypatch.setattr(buffers, "MIN_BYTES", 0)
     pooled = tmp_path / "pooled"
-    atom_convert.convert(src, pooled, target=target, tp=tp, workers=3)
+    atom_convert.convert(src, pooled, target=target, tp=tp, workers=3, worker_mode="thread")
     assert digest(pooled) == digest(plain)
     assert sum(p.reused for p in stats) > 0 and sum(p.made for p in stats) > 0
+    in_processes = tmp_path / "pooled-processes"
+    atom_convert.convert(src, in_processes, target=target, tp=tp, workers=3, worker_mode="process")
+    assert digest(in_processes) == digest(plain)

@@ -20,6 +20,8 @@ import atom_convert
 from atom_convert.cache import cache_path, ensure_converted
 from atom_convert.check import check_files
 
+from cliutil import Shared
+
 REPO = Path(__file__).resolve().parent.parent
 PRESET = "tiny-deepseek-v2-lite"  # the smallest fixture: conversions here take a fraction of a second
 
@@ -209,11 +211,10 @@ def test_taker_over_restarts_a_staging_of_another_source(src: Path, tmp_path: Pa
 
     cache_dir = tmp_path / "cache"
     dst, _ = cache_path(src, cache_dir, shard_size="100KB")
-    real, calls = ShardSetWriter.write, [0]
+    real, calls = ShardSetWriter.write, Shared()  # counted over the worker processes too
 
     def write(self, *a, **k):  # an interrupt once a few tensors are written: sealed shards stay
-        calls[0] += 1
-        if calls[0] > 40:
+        if calls.add() > 40:
             raise KeyboardInterrupt()
         real(self, *a, **k)
 

@@ -34,10 +34,10 @@ from atom_convert.staging import DestinationLock, DestPaths
 from atom_convert import writer as writer_mod
 from atom_convert.writer import FaultHook, ShardFile, ShardSetWriter, _IOThread
 
-from cliutil import run_cli
+from cliutil import Shared, run_cli
 
 PRESET = "tiny-deepseek-v3"
-OPTS = ["--tp", "2", "--shard-size", "200KB"]
+OPTS = ["--tp", "2", "--shard-size", "200KB", "--workers", "2"]  # the CLI: two worker processes
 API_OPTS: dict[str, Any] = {"tp": 2, "shard_size": "200KB"}
 N_SHARDS = 48  # of that conversion (the `ref` fixture checks it)
 SEED = 20261201  # fixed, so that a failure can be replayed; printed with each point
@@ -317,6 +317,124 @@ def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monk
     check_stopped_state(dst)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _children_of(pid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_sigkill_leaves_no_worker_process_and_no_lock(src: Path, ref: Path, shard_bytes: int, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of the converter half-way: its worker processes die with it (PR_SET_PDEATHSIG), so no
+    writer outlives it, and none keeps DST's lock (the resume may start at once)."""
+    import crash_child
+
+    dst = tmp_path / "dst"
+    err = tmp_path / "stderr"
+    p = forkserver().Process(target=crash_child.run_cli,
+                             args=([str(a) for a in ["convert", src, dst, *OPTS]], str(err),
+                                   {FaultHook.ENV: f"{shard_bytes // 2}:SIGKILL"}))
+    p.start()
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while p.is_alive() and time.monotonic() < deadline:
+        workers |= _children_of(p.pid)
+        time.sleep(0.005)
+    p.join(5)
+    assert p.exitcode == -signal.SIGKILL, err.read_text() if err.exists() else ""
+    assert workers, "no worker process was seen"
+    end = time.monotonic() + 5
+    while any(_alive(w) for w in workers) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not [w for w in workers if _alive(w)], "worker processes outlived the killed converter"
+    with DestinationLock(DestPaths(dst)):  # free: no worker kept the lock's file open
+        pass
+    resume_and_check(src, dst, ref, monkeypatch)
+
+
+def test_a_forked_worker_does_not_keep_the_destination_lock(tmp_path: Path) -> None:
+    """A process forked while a conversion holds DST's lock (a worker process) closes its copy of
+    the lock's descriptor: a converter killed while such a process still runs leaves DST unlocked."""
+    dst = tmp_path / "dst"
+    r, w = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the converter: takes the lock, forks a worker, waits to be killed
+        try:
+            os.close(r)
+            lock = DestinationLock(DestPaths(dst))
+            lock.acquire()
+            worker = os.fork()
+            if worker == 0:
+                time.sleep(30)
+                os._exit(0)
+            os.write(w, str(worker).encode())
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    os.close(w)
+    worker = int(os.read(r, 64) or b"0")
+    os.close(r)
+    try:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+        assert worker and _alive(worker)
+        with DestinationLock(DestPaths(dst)):  # not refused while the worker lives
+            pass
+    finally:
+        if worker:
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_ctrl_c_with_a_stuck_write_in_a_worker_process(src: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process's write never returns: Ctrl-C still ends the conversion (the process is
+    killed after the stop wait), only sealed shards stay, and no worker process is left."""
+    from atom_convert import procs
+
+    stuck = multiprocessing.get_context("fork").Event()
+    parent = os.getpid()
+    real = writer_mod._ShardIO.pwrite
+
+    def pwrite(sh: Any, data: Any, offset: int) -> None:
+        if os.getpid() != parent and sh.rel.endswith("00003-of-00009.safetensors"):
+            stuck.set()
+            time.sleep(3600)
+        real(sh, data, offset)
+
+    monkeypatch.setattr(writer_mod._ShardIO, "pwrite", pwrite)
+    monkeypatch.setattr(procs, "STOP_WAIT_S", 1.0)
+
+    def interrupt() -> None:  # Ctrl-C as the terminal sends it: to the process, here from another thread
+        stuck.wait(60)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    dst = tmp_path / "dst"
+    t0 = time.monotonic()
+    with pytest.raises(Interrupted) as ei:
+        atom_convert.convert(src, dst, **API_OPTS, workers=2, worker_mode="process")
+    assert time.monotonic() - t0 < 30
+    assert stuck.is_set() and ei.value.exit_code == 130
+    check_stopped_state(dst)
+    assert multiprocessing.active_children() == []
+
+
 # ------------------------------------------------------------------------------------------------
 # what a resume refuses, and what it redoes
 # ------------------------------------------------------------------------------------------------
@@ -404,15 +522,12 @@ def test_resume_redoes_damaged_and_unrecorded_shards(src: Path, ref: Path, inter
 def fault_injecting_writer(monkeypatch: pytest.MonkeyPatch, budget: int, err: int) -> None:
     """The writer's pwrite accepts `budget` more bytes in all, then fails as a full disk (or a
     read-only or forbidden file) does: an OSError without a file name, as os.pwrite raises it."""
-    left = [budget]
-    lock = threading.Lock()
+    written = Shared()  # over every worker process (the CLI converts on every core)
     real = writer_mod._pwrite
 
     def pwrite(fd: int, data: memoryview, offset: int) -> int:
-        with lock:
-            if len(data) > left[0]:
-                raise OSError(err, os.strerror(err))
-            left[0] -= len(data)
+        if written.add(len(data)) > budget:
+            raise OSError(err, os.strerror(err))
         return real(fd, data, offset)
 
     monkeypatch.setattr(writer_mod, "_pwrite", pwrite)

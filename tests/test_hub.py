@@ -94,7 +94,9 @@ class Recorder(logging.Handler):
 
         msg = record.getMessage()
         self.records.append((time.monotonic(), msg))
-        if self.gate is not None and msg == "layer.0 (rank 0): converting":
+        # On a worker thread the item logs it starts; worker processes log in their own process,
+        # so there the parent's hand-out is the start.
+        if self.gate is not None and msg in ("layer.0 (rank 0): converting", "layer.0 (rank 0): to a worker process"):
             self.gate.set()
 
 
@@ -137,19 +139,26 @@ def test_repo_spec_and_patterns(tmp_path: Path) -> None:
             "tokenization_kimi.py"} <= set(pats)
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["thread", "processes"])
 def test_convert_from_repo_id_overlaps_download(hub: FakeHub, source_repo: str, source_dir: Path, hf_cache: Path,
-                                                tmp_path: Path, recorder: Recorder) -> None:
+                                                tmp_path: Path, recorder: Recorder, workers: int) -> None:
+    """Layer 0 converts while the last shard downloads, on the calling thread and in worker
+    processes (forked before the downloads start; the parent waits for an item's files)."""
     release = hub.hold(LAST)  # the last shard is served only once layer 0 is being converted
     recorder.gate = release
     n0 = len(hub.events)
     try:
-        m = atom_convert.convert(SRC_REPO, tmp_path / "out", "gfx950", tp=2)
+        m = atom_convert.convert(SRC_REPO, tmp_path / "out", "gfx950", tp=2, workers=workers,
+                                 worker_mode="process" if workers > 1 else "auto")
     finally:
         release.set()
         hub.holds.pop(LAST)
     events = hub.events[n0:]
-    started = next(t for t, msg in recorder.records if msg == "layer.0 (rank 0): converting")
     last_done = next(t for t, kind, p in events if kind == "get-done" and p == LAST)
+    # The hold makes a conversion that waits for every shard before it starts hang; a start is the
+    # item's own log line on a thread, its hand-out to a worker process otherwise.
+    start = "layer.0 (rank 0): converting" if workers == 1 else "layer.0 (rank 0): to a worker process"
+    started = next(t for t, msg in recorder.records if msg == start)
     assert started < last_done, "layer 0 was not converted before the last shard had arrived"
     verified = [msg for _, msg in recorder.records if "downloaded and verified" in msg]
     assert len(verified) == 3

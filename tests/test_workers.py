@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -20,11 +23,15 @@ from typing import Any, Callable
 import pytest
 
 import atom_convert
+from atom_convert import procs
 from atom_convert import workers as wk
+from atom_convert.convert import make_plan
+from atom_convert.errors import AtomConvertError
+from atom_convert.source import SourceCheckpoint
 from atom_convert.synth import build_random, load_preset
 from atom_convert.writer import ShardSetWriter
 
-from cliutil import run_cli
+from cliutil import Shared, run_cli
 
 from test_memory import trace_conversion
 
@@ -79,22 +86,22 @@ CASES = [(fmt, tp) for fmt in ("fp8", "bf16", "mxfp4") for tp in (1, 2, 8)]
 @pytest.mark.parametrize("fmt,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
 def test_output_identical_for_any_number_of_workers(sources: Callable[..., Path], tmp_path: Path,
                                                     fmt: str, tp: int) -> None:
-    """workers 1, 2, 4, at the default shard size and at one that gives several shards per rank:
-    every file and the manifest (timing aside) identical."""
+    """workers 1, 2 and 4 (processes) and 3 (threads), at the default shard size and at one that
+    gives several shards per rank: every file and the manifest (timing aside) identical."""
     src = sources(fmt, tp)
     target = "gfx942" if fmt == "fp8" and tp == 2 else "gfx950"  # fnuz on one case; mxfp4 is gfx950-only
     for shard in ("5GB", "150KB"):
         ref = None
-        for workers in (1, 2, 4):
+        for workers, mode in ((1, "auto"), (2, "process"), (4, "process"), (3, "thread")):
             dst = tmp_path / f"{shard}-w{workers}"
-            atom_convert.convert(src, dst, target=target, tp=tp, workers=workers, shard_size=shard)
+            atom_convert.convert(src, dst, target=target, tp=tp, workers=workers, worker_mode=mode, shard_size=shard)
             got = digest(dst)
             if ref is None:
                 ref = got
                 shards = [f for f in got if f.endswith(".safetensors") and not f.startswith("mtp/")]
                 assert len(shards) >= tp * (2 if shard == "150KB" else 1), shards
             else:
-                assert got == ref, f"workers={workers}, shard size {shard}: output differs from workers=1"
+                assert got == ref, f"workers={workers} ({mode}), shard size {shard}: output differs from workers=1"
 
 
 @pytest.mark.parametrize("par", [{"ep": True}, {"dp_attention": True, "ep": True}], ids=["ep", "dpa-ep"])
@@ -147,10 +154,11 @@ def _max_layers_alive(trace: Any) -> int:
 
 
 def test_alive_layers_bounded_by_workers(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    """3 workers: at every source read, source tensors of at most 3 decoder layers are alive, and
-    at most 3 layers' bytes; each worker holds one (layer, rank) item at a time."""
+    """3 worker threads: at every source read, source tensors of at most 3 decoder layers are alive,
+    and at most 3 layers' bytes; each worker holds one (layer, rank) item at a time. (The reads are
+    traced in this process: threads; worker processes below.)"""
     src = tiny_checkpoint(PRESET, "fp8")
-    trace = trace_conversion(src, tmp_path / "dst", workers=3)
+    trace = trace_conversion(src, tmp_path / "dst", workers=3, worker_mode="thread")
     per_layer = trace.layer_bytes()
     largest = max(b for lay, b in per_layer.items() if lay is not None)
     assert _max_layers_alive(trace) <= 3
@@ -186,9 +194,67 @@ def test_budget_bounds_the_working_set(tiny_checkpoint: Callable[..., Path], tmp
     atom_convert.convert(src, tmp_path / "probe", workers=1)
     one = max(i.cost for i in plan_items)
     budgets.clear()
-    trace = trace_conversion(src, tmp_path / "dst", workers=4, max_memory=one)
+    trace = trace_conversion(src, tmp_path / "dst", workers=4, max_memory=one, worker_mode="thread")
     assert _max_layers_alive(trace) <= 1
     assert budgets and all(b.peak <= one for b in budgets), [b.peak for b in budgets]
+
+
+def _in_flight(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the items handed to worker processes and not yet reported done, and their working
+    sets (at most at once, and in all)."""
+    from atom_convert import procs
+
+    seen = {"now": 0, "max": 0, "items": 0, "cost": 0, "max_cost": 0}
+    real = procs.WorkerProcesses.run_items
+
+    def run_items(pool: procs.WorkerProcesses, work: Any, task: Any, *, prepare: Any, finished: Any,
+                  **kw: Any) -> None:
+        def counted_prepare(item: wk.Item) -> None:
+            prepare(item)
+            seen["now"] += 1
+            seen["items"] += 1
+            seen["cost"] += item.cost
+            seen["max"] = max(seen["max"], seen["now"])
+            seen["max_cost"] = max(seen["max_cost"], seen["cost"])
+
+        def counted_finished(item: wk.Item, result: Any) -> None:
+            seen["now"] -= 1
+            seen["cost"] -= item.cost
+            finished(item, result)
+
+        real(pool, work, task, prepare=counted_prepare, finished=counted_finished, **kw)
+
+    monkeypatch.setattr(procs.WorkerProcesses, "run_items", run_items)
+    return seen
+
+
+def test_worker_processes_hold_one_item_each_within_the_budget(sources: Callable[..., Path], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes: at most one item per process in flight, and with a budget that fits the
+    largest item, the working sets in flight never more than it (the budget is the parent's: it
+    reserves before it hands an item out, and releases when the item is reported done)."""
+    src = sources("fp8", 8)
+    budgets: list[wk.Budget] = []
+    real = wk.Budget
+
+    def recorded(limit: int, stop: Any) -> wk.Budget:
+        b = real(limit, stop)
+        budgets.append(b)
+        return b
+
+    monkeypatch.setattr(wk, "Budget", recorded)
+    seen = _in_flight(monkeypatch)
+    ref = tmp_path / "ref"
+    atom_convert.convert(src, ref, tp=8, workers=1)
+    atom_convert.convert(src, tmp_path / "w3", tp=8, workers=3, worker_mode="process")
+    assert seen["items"] > 3 and 2 <= seen["max"] <= 3, seen
+    one = max(wk.working_set(g.outputs) for g in make_plan(SourceCheckpoint(src), tp=8).main.groups)
+    budgets.clear()
+    seen.update(now=0, max=0, items=0, cost=0, max_cost=0)
+    atom_convert.convert(src, tmp_path / "one", tp=8, workers=3, worker_mode="process", max_memory=one)
+    assert seen["items"] > 3 and seen["max_cost"] <= one, (seen, one)
+    assert budgets and all(b.peak <= one for b in budgets), [b.peak for b in budgets]
+    assert digest(tmp_path / "w3") == digest(ref) == digest(tmp_path / "one")
 
 
 def test_working_set_estimate() -> None:
@@ -227,41 +293,107 @@ def _nothing_left(dst: Path) -> None:
     assert left == [], f"temporary directories left beside {dst}: {left}"
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("workers", [2, 4])
 def test_error_in_one_worker_stops_the_others(sources: Callable[..., Path], tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+                                              monkeypatch: pytest.MonkeyPatch, workers: int, mode: str) -> None:
     """Every tensor write is slowed to 20 ms; the 12th raises. The others stop at their next
-    write (at most one more call per other worker), the error reaches the caller, nothing is left."""
+    write (at most one more call per other worker), the error reaches the caller, nothing is left.
+    The counts live in shared memory: worker processes inherit the patch and count there too."""
     src = sources("fp8", 8)
     real = ShardSetWriter.write
-    lock = threading.Lock()
-    calls = {"n": 0, "failed_at": None, "after": 0, "completed_after": 0}
+    lock = multiprocessing.Lock()
+    n, failed, after, completed_after = Shared(), Shared(), Shared(), Shared()
 
     def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
         with lock:
-            calls["n"] += 1
-            n = calls["n"]
-            if calls["failed_at"] is not None:
-                calls["after"] += 1
-        if n == 12:
-            with lock:
-                calls["failed_at"] = time.perf_counter()
+            k = n.add()
+            if failed.value:
+                after.add()
+            if k == 12:
+                failed.set(1)
+        if k == 12:
             raise Boom("worker failed")
         time.sleep(0.02)
         real(self, rank, out, chunks, part)
         with lock:
-            if calls["failed_at"] is not None:
-                calls["completed_after"] += 1
+            if failed.value:
+                completed_after.add()
 
     monkeypatch.setattr(ShardSetWriter, "write", write)
     dst = tmp_path / "dst"
     with pytest.raises(Boom):
-        atom_convert.convert(src, dst, tp=8, workers=workers)
-    assert calls["failed_at"] is not None
-    assert calls["after"] <= workers - 1, calls
+        atom_convert.convert(src, dst, tp=8, workers=workers, worker_mode=mode)
+    assert failed.value == 1
+    assert after.value <= workers - 1, (after.value, n.value)
     # a write already past its start when the error came may finish; none after it starts
-    assert calls["completed_after"] <= workers - 1, calls
+    assert completed_after.value <= workers - 1, (completed_after.value, n.value)
     _nothing_left(dst)
+
+
+def test_a_killed_worker_process_is_an_error_naming_it(sources: Callable[..., Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process killed mid-item (as the OOM killer does): the conversion fails naming the
+    process and its exit status, the other processes are stopped, nothing is left."""
+    src = sources("fp8", 8)
+    parent = os.getpid()
+    real = ShardSetWriter.write
+    calls = Shared()
+
+    def write(self: ShardSetWriter, rank: int, out: Any, chunks: Any, part: Any = None) -> None:
+        if os.getpid() != parent and calls.add() == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(self, rank, out, chunks, part)
+
+    monkeypatch.setattr(ShardSetWriter, "write", write)
+    dst = tmp_path / "dst"
+    with pytest.raises(procs.WorkerDied, match=r"worker process \d+ ended with exit status -9 while converting "
+                                                r"[\w.]+ \(rank \d\); if the system killed it for memory"):
+        atom_convert.convert(src, dst, tp=8, workers=3, worker_mode="process")
+    _nothing_left(dst)
+    assert multiprocessing.active_children() == []
+
+
+def test_worker_processes_that_do_not_start_fall_back_to_threads(sources: Callable[..., Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A worker process stuck before "ready" (a lock that another thread held across the fork): it
+    is killed after the start timeout, the conversion runs on threads, says so, same bytes."""
+    src = sources("fp8", 8)
+    ref = tmp_path / "ref"
+    atom_convert.convert(src, ref, tp=8, workers=1)
+    monkeypatch.setattr(procs, "START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(SourceCheckpoint, "after_fork", lambda self: time.sleep(60))
+    dst = tmp_path / "dst"
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="atom_convert"):
+        atom_convert.convert(src, dst, tp=8, workers=2, worker_mode="process")
+    assert time.monotonic() - t0 < 30
+    assert "did not start within 1 s" in caplog.text and "converting on 2 threads instead" in caplog.text
+    assert digest(dst) == digest(ref)
+    assert multiprocessing.active_children() == []
+
+
+def test_errors_cross_the_process_boundary_as_raised() -> None:
+    """A worker process's error reaches the caller with its type, message and attributes."""
+    import errno
+    import pickle
+
+    from atom_convert.errors import CheckpointError, ConfigError
+
+    for e in (CheckpointError(["a.safetensors: truncated", "b.safetensors: missing"], hint="Re-download."),
+              ConfigError("config.json: hidden_size is a string"), Boom("plain")):
+        back = pickle.loads(procs._portable(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.__dict__ == e.__dict__
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/model.safetensors.partial")
+    back = pickle.loads(procs._portable(full))
+    assert (back.errno, back.strerror, back.filename) == (full.errno, full.strerror, full.filename)
+
+    class Local(Exception):  # not importable by name: cannot be pickled
+        pass
+
+    back = pickle.loads(procs._portable(Local("odd")))
+    assert type(back) is AtomConvertError and str(back) == "Local: odd"
 
 
 def test_cli_workers_and_max_memory(tiny_checkpoint: Callable[..., Path], tmp_path: Path,

@@ -76,8 +76,11 @@ def cli() -> None:
               help="Convert even when source values are NaN/Inf, fp8 NaN codes, scales <= 0 or e8m0 NaN (an error "
                    "by default); each such tensor is printed and recorded in the manifest.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Threads converting (layer, rank) items in parallel [default: every usable core]. "
+              help="(Layer, rank) items converted in parallel [default: every usable core]. "
                    "The output is byte-identical for every value.")
+@click.option("--worker-mode", type=click.Choice(["auto", "process", "thread"]), default="auto", show_default=True,
+              help="Run several workers as forked processes (auto, where the platform can fork: the fast way) "
+                   "or as threads of one process.")
 @click.option("--max-memory", default=None,
               help="Memory budget for the workers' working sets, e.g. 16GB [default: half of the available "
                    "memory]; workers wait rather than exceed it.")
@@ -88,8 +91,8 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, resume: bool,
             restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str,
-            mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, max_memory: str | None,
-            revision: str | None, hub_cache: str | None, as_json: bool) -> None:
+            mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, worker_mode: str,
+            max_memory: str | None, revision: str | None, hub_cache: str | None, as_json: bool) -> None:
     """Convert the checkpoint in SRC (a folder, or a Hugging Face repo id org/name[@revision], downloaded
     while converting) into ATOM's layout in DST.
 
@@ -116,8 +119,8 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
             m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
                             progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, resume=mode, wait=wait,
                             notify=lambda line: click.echo(line, err=True), workers=workers,
-                            max_memory=max_memory, allow_nonfinite=allow_nonfinite, revision=revision,
-                            hub_cache=hub_cache, **par)
+                            worker_mode=worker_mode, max_memory=max_memory, allow_nonfinite=allow_nonfinite,
+                            revision=revision, hub_cache=hub_cache, **par)
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             text = (e.message if isinstance(e, Interrupted) else "") or "interrupted; nothing was written"

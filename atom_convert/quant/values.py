@@ -99,6 +99,29 @@ class ValueGuard:
             f"--allow-nonfinite (allow_nonfinite=True); the manifest then records each such tensor."
         )
 
+    # -- worker processes (procs.py) ----------------------------------------------------------
+    def after_fork(self) -> None:
+        """In a worker process: a fresh lock, and only this process's own records from now on
+        (the converting process holds the earlier ones and merges what `take` hands it)."""
+        self._lock = threading.Lock()
+        self.warnings = []
+        self._seen = set()
+
+    def take(self) -> list[dict[str, Any]]:
+        """The records made since the last call (a worker process sends them with each item)."""
+        with self._lock:
+            out, self.warnings = self.warnings, []
+        return out
+
+    def merge(self, records: list[dict[str, Any]]) -> None:
+        """Records from a worker process, one per tensor and problem as `_report` keeps them."""
+        with self._lock:
+            for w in records:
+                key = (w["tensor"], w["problem"])
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.warnings.append(w)
+
     def summary(self) -> dict[str, Any]:
         # Sorted: the order in which worker threads met the tensors is not part of the result.
         with self._lock:
