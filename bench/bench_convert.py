@@ -120,6 +120,8 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     if not workers_api and opts["workers"] != 1:
         sys.exit("bench_convert: this atom_convert has no workers= option; use --workers 1")
     kw = {"workers": opts["workers"]} if workers_api else {}
+    if opts.get("worker_mode", "auto") != "auto":
+        kw["worker_mode"] = opts["worker_mode"]
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
     info = {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
@@ -273,8 +275,23 @@ def drop_caches(fallback: list[Path] | None = None) -> tuple[bool, str]:
                       f"file before every timed run")
 
 
-def tree_rss(pid: int) -> int:
-    """Summed VmRSS of pid and all its descendants (bytes)."""
+def _pss(pid: int) -> int:
+    """Proportional set size of a process (bytes; 0 if it is gone): its private pages plus its
+    share of the pages it shares. Summed over a process tree it counts the pages that forked
+    worker processes share with their parent (torch's libraries, the plan) once, where the sum of
+    their RSS counts them once per process."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def tree_rss(pid: int) -> tuple[int, int]:
+    """Summed VmRSS and summed Pss of pid and all its descendants (bytes)."""
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -284,12 +301,13 @@ def tree_rss(pid: int) -> int:
                 kids.setdefault(ppid, []).append(int(d))
             except (OSError, ValueError, IndexError):
                 continue
-    total, todo = 0, [pid]
+    total, pss, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         total += _proc_status(p).get("VmRSS", 0)
+        pss += _pss(p)
         todo.extend(kids.get(p, []))
-    return total
+    return total, pss
 
 
 def prewarm(src: Path) -> None:
@@ -416,13 +434,13 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_
     user0, busy0 = cpu_times()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
-    peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0, "tree": 0}
+    peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0, "tree": 0, "tree_pss": 0}
     while True:
         pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
         st = _proc_status(proc.pid)
-        st["tree"] = tree_rss(proc.pid)
+        st["tree"], st["tree_pss"] = tree_rss(proc.pid)
         for k in peak:
             peak[k] = max(peak[k], st.get(k, 0))
         time.sleep(0.05)
@@ -445,7 +463,8 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_
         "peak_rss_bytes": child["status_at_exit"]["VmHWM"],
         "wait4_ru_maxrss_bytes": ru.ru_maxrss * 1024,
         "sampled_peak": {"rss_anon_bytes": peak["RssAnon"], "rss_file_bytes": peak["RssFile"],
-                         "vm_rss_bytes": peak["VmRSS"], "process_tree_rss_bytes": peak["tree"]},
+                         "vm_rss_bytes": peak["VmRSS"], "process_tree_rss_bytes": peak["tree"],
+                         "process_tree_pss_bytes": peak["tree_pss"]},
         "opts": opts or {},
         "user_seconds": ru.ru_utime,
         "sys_seconds": ru.ru_stime,
@@ -504,7 +523,10 @@ def summarize(runs: list[dict[str, Any]], src_bytes: int, workers: int) -> dict[
         "peak_rss_bytes": max(x["peak_rss_bytes"] for x in allc) if allc else None,
         "peak_process_tree_rss_bytes": max(x["sampled_peak"]["process_tree_rss_bytes"] for x in allc) if allc else None,
         "rss_bound_bytes": allc[0]["child"].get("rss_bound_bytes") if allc else None,
-        "rss_within_bound": all(max(x["peak_rss_bytes"], x["sampled_peak"]["process_tree_rss_bytes"])
+        "peak_process_tree_pss_bytes": max(x["sampled_peak"]["process_tree_pss_bytes"] for x in allc) if allc else None,
+        # The converter's own VmHWM and its process tree's sampled Pss (worker processes share their
+        # parent's pages: their summed RSS counts those pages once per process, Pss once in all).
+        "rss_within_bound": all(max(x["peak_rss_bytes"], x["sampled_peak"]["process_tree_pss_bytes"])
                                 <= x["child"]["rss_bound_bytes"] for x in allc)
                             if allc and "rss_bound_bytes" in allc[0]["child"] else None,
         "convert_cpu_seconds": [round(x["user_seconds"] + x["sys_seconds"], 1) for x in allc],
@@ -529,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="gfx950", help="comma-separated targets, e.g. gfx950,gfx942 (default gfx950)")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, 'all' = usable cores, e.g. 1,all "
                                                    "(default 1)")
+    ap.add_argument("--worker-mode", default="auto",
+                    help="comma-separated: auto, process, thread (convert's worker_mode; default auto)")
     ap.add_argument("--pairs", "--repeat", dest="pairs", type=int, default=None,
                     help="cold (copy, convert) pairs per configuration (default 2; --smoke 1)")
     ap.add_argument("--cache", choices=("cold", "warm"), default="cold",
@@ -596,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(res)
         print(f"[bench] {label:28s} {'warm' if res['warm'] else 'cold'} {kind:7s}: {res['wall_seconds']:7.1f} s wall "
               f"({res['op_seconds']:.1f} s in-process, {src_bytes / res['wall_seconds'] / 1e9:.2f} GB/s of source), "
-              f"peak RSS {fmt_gb(res['peak_rss_bytes'])} (tree {fmt_gb(res['sampled_peak']['process_tree_rss_bytes'])}), "
+              f"peak RSS {fmt_gb(res['peak_rss_bytes'])} (tree RSS {fmt_gb(res['sampled_peak']['process_tree_rss_bytes'])}, "
+              f"tree PSS {fmt_gb(res['sampled_peak']['process_tree_pss_bytes'])}), "
               f"output {fmt_gb(res['output_bytes'])}, CPU {res['user_seconds'] + res['sys_seconds']:.0f} s "
               f"(others' user CPU {res['other_user_cpu_seconds']:.0f} s)", flush=True)
         shutil.rmtree(dst)
@@ -605,9 +630,11 @@ def main(argv: list[str] | None = None) -> int:
 
     k = 0
     for target in targets:
-        for workers in worker_counts:
-            label = f"{target} tp={args.tp} workers={workers}"
-            opts = {"target": target, "tp": args.tp, "workers": workers}
+        for workers, wmode in [(w, m) for w in worker_counts for m in args.worker_mode.split(",")]:
+            if workers == 1 and wmode != args.worker_mode.split(",")[0]:
+                continue  # one worker runs on the calling thread whatever the mode
+            label = f"{target} tp={args.tp} workers={workers}" + (f" {wmode}" if wmode != "auto" else "")
+            opts = {"target": target, "tp": args.tp, "workers": workers, "worker_mode": wmode}
             mine: list[dict[str, Any]] = []
             for p in range(args.pairs):
                 order = ("copy", "convert") if k % 2 == 0 else ("convert", "copy")
@@ -617,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warm_runs):
                 mine.append(one("convert", opts, True, None, label))
             summary = summarize(mine, src_bytes, workers)
-            summary.update(target=target, tp=args.tp, label=label)
+            summary.update(target=target, tp=args.tp, label=label, worker_mode=wmode)
             configs.append(summary)
 
     result = {
@@ -659,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
                      f", copy {c['copy_source_GBps']:.2f} GB/s, convert {c['convert_source_GBps']:.2f} GB/s")
         if c.get("warm_convert_source_GBps"):
             line += f", warm convert {c['warm_convert_source_GBps']:.2f} GB/s"
-        line += f", peak RSS {fmt_gb(c['peak_rss_bytes'])} (tree {fmt_gb(c['peak_process_tree_rss_bytes'])}"
+        line += (f", peak RSS {fmt_gb(c['peak_rss_bytes'])} (tree RSS {fmt_gb(c['peak_process_tree_rss_bytes'])}, "
+                 f"tree PSS {fmt_gb(c['peak_process_tree_pss_bytes'])}")
         if c["rss_bound_bytes"]:
             line += (f", bound workers x item + 1 GB = {fmt_gb(c['rss_bound_bytes'])}: "
                      f"{'within' if c['rss_within_bound'] else 'EXCEEDED'}")
