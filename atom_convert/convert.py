@@ -10,9 +10,9 @@ How it works:
 4. Take the lock beside DST, then open the staging directory `.DST.atom-partial/`: a new
    one, or the one an interrupted run left, whose sealed shards are kept when the source and
    options fingerprints match (staging.py).
-5. Stream: (layer, rank) items run on `--workers` threads inside a memory budget
-   (workers.py); each tensor's bytes go to their planned offset in their shard, so the
-   output does not depend on the order of completion. Outputs whose shard is already
+5. Stream: (layer, rank) items run on `--workers` forked worker processes (procs.py; or
+   threads) inside a memory budget (workers.py); each tensor's bytes go to their planned
+   offset in their shard, so the output does not depend on the order of completion. Outputs whose shard is already
    sealed are not produced at all. Each shard is sealed (fsynced, renamed, journalled)
    as it completes.
 6. Copy config/tokenizer files, write the MTP set's manifest, then the main manifest last,
@@ -260,8 +260,12 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
     budget = workers_mod.Budget(max_memory, stop)
 
     def reached(item: workers_mod.Item) -> None:
+        """The readahead may go on to the item's group; the item waits for its share of it."""
         if ahead is not None:
-            ahead.reached(group_index[id(item.group)])
+            i = group_index[id(item.group)]
+            ahead.reached(i)
+            units = max((o.units for o in item.group.outputs), default=0)
+            ahead.wait_read(i, item.part[1] / units if item.part is not None and units else 1.0)
 
     # Threads draw output chunks from one pool of reused buffers (buffers.py; each worker process
     # has its own); the free ones it keeps stay within what the workers' working sets may hold.
@@ -344,8 +348,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
             dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, resume: str = "auto",
             wait: bool = False, notify: Callable[[str], None] | None = None, workers: int | None = 1,
-            worker_mode: str = "auto", max_memory: int | str | None = None, allow_nonfinite: bool = False, revision: str | None = None,
-            hub_cache: str | None = None) -> dict[str, Any]:
+            worker_mode: str = "auto", max_memory: int | str | None = None, allow_nonfinite: bool = False,
+            revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:

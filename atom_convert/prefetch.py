@@ -16,6 +16,14 @@ pace, and nothing is copied into this process. It stays at most one group ahead
 of the newest group a worker has started (`reached`), so the page cache holds the
 current and the next layer, not the model. Correctness never depends on it: a page
 not yet read is faulted in by the worker as before.
+
+Items wait for it (`wait_read`): an item that needs the first fraction f of its group's
+bytes (a range of experts: the experts are stored in order) starts once that much has
+been read ahead. Why: sixteen workers faulting in pages of a cold file ahead of the
+readahead turn its sequential read into scattered ones; on the device machine the
+faster gfx950 conversion was the slower one from a cold cache (BENCHMARKS.md, issue 9,
+fifth round). The wait is bounded (GATE_TIMEOUT_S) and ends when the thread stops, so a
+slow or failed readahead costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from .plan import Group
@@ -34,6 +43,8 @@ log = logging.getLogger(__name__)
 
 STEP = 32 << 20  # bytes per readahead request
 _MERGE_GAP = 1 << 20  # ranges closer than this are read as one (the gap is read too)
+GATE = True  # items wait for their share of the readahead (wait_read); False: they do not (benches)
+GATE_TIMEOUT_S = 60.0
 
 
 def group_ranges(source: "SourceCheckpoint", group: Group, tp: int) -> list[tuple[str, int, int]]:
@@ -67,6 +78,9 @@ class Prefetcher:
         self._newest = -1
         self._cond = threading.Condition()
         self._stop = False
+        self._ended = False  # the thread has returned (done, stopped, or an error)
+        self._total: dict[int, int] = {}  # group -> bytes it reads ahead
+        self._read: dict[int, int] = {}  # group -> bytes read so far
         self._fds: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="atom-convert-prefetch", daemon=True)
         self._thread.start()
@@ -76,6 +90,27 @@ class Prefetcher:
             if index > self._newest:
                 self._newest = index
                 self._cond.notify_all()
+
+    def wait_read(self, index: int, fraction: float) -> None:
+        """Block until `fraction` of group `index`'s bytes have been read ahead (module docstring);
+        at most GATE_TIMEOUT_S, and not at all once the thread has ended."""
+        if not GATE:
+            return
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        with self._cond:
+            while not (self._stop or self._ended):
+                total = self._total.get(index)
+                if total is not None and self._read.get(index, 0) >= fraction * total:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(min(left, 0.5))
+
+    def _confirm(self, index: int, n: int) -> None:
+        with self._cond:
+            self._read[index] = self._read.get(index, 0) + n
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -104,11 +139,15 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            pending: tuple[int, int] | None = None  # (fd, offset) of the last byte of the step in flight
             for i, g in enumerate(self._groups):
                 if not self._wait_for(i):
                     return
-                for file, a, b in group_ranges(self._source, g, self._tp):
+                ranges = group_ranges(self._source, g, self._tp)
+                with self._cond:
+                    self._total[i] = sum(b - a for _, a, b in ranges)
+                    self._cond.notify_all()
+                pending: tuple[int, int, int] | None = None  # (fd, last byte, bytes) of the step in flight
+                for file, a, b in ranges:
                     fd, start = self._fd(file)
                     for off in range(start + a, start + b, STEP):
                         if self._stop:
@@ -117,6 +156,14 @@ class Prefetcher:
                         os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
                         if pending is not None:
                             os.pread(pending[0], 1, pending[1])  # wait for the step before
-                        pending = (fd, off + n - 1)
+                            self._confirm(i, pending[2])
+                        pending = (fd, off + n - 1, n)
+                if pending is not None:  # the group's last step, for the items waiting on it
+                    os.pread(pending[0], 1, pending[1])
+                    self._confirm(i, pending[2])
         except Exception as e:  # noqa: BLE001  an optimisation only: the workers read what is missing
             log.debug("prefetch stopped: %s", e)
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()

@@ -1,4 +1,4 @@
-"""Workers: (group, rank) items converted on several threads inside a memory budget.
+"""Workers: (group, rank) items, their memory budget, and the thread runner.
 
 How it works:
 1. A converted set is cut into items, one per (group, rank): a decoder layer's
@@ -6,20 +6,20 @@ How it works:
    into contiguous ranges, one item each (`parts_per_group`), so that the cores
    find work inside one layer. Items are handed out in load order (group-major,
    so at tp=8 sixteen workers hold one or two layers, not sixteen), each to the
-   next free worker thread. Torch ops, file writes, reads and hashlib release the GIL, so
-   threads overlap without pickling producers or duplicating source mappings.
-2. Before starting an item a worker reserves its estimated working set from a
-   byte budget (`--max-memory`); an item that does not fit waits until running
-   ones finish (one item alone always runs). So resident memory stays within
-   the budget whatever the number of workers.
-3. Every worker writes through its own write-behind thread into the shared
-   `ShardSetWriter`, which places bytes at their planned offsets: the output
-   does not depend on the number of workers or the order items finish in.
-4. The first error in any worker sets a shared stop event; the others stop at
+   next free worker: a forked worker process (procs.py, the default with several
+   workers) or a thread of this process (`run_items`; the GIL and the shared
+   address space keep threads to 4-6 busy cores, BENCHMARKS.md).
+2. Before an item starts, its estimated working set is reserved from a byte
+   budget (`--max-memory`); an item that does not fit waits until running ones
+   finish (one item alone always runs). So resident memory stays within the
+   budget whatever the number of workers.
+3. Every worker writes through its own write-behind thread at the planned
+   offsets (`ShardSetWriter`): the output does not depend on the number of
+   workers or the order items finish in.
+4. The first error in any worker sets a shared stop flag; the others stop at
    their next buffer (the writer checks it), and the error is raised in the
    caller, which removes the staging directory.
 """
-
 from __future__ import annotations
 
 import os

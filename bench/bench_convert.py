@@ -110,6 +110,7 @@ def child_copy(src: Path, dst: Path) -> dict[str, Any]:
 def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import atom_convert
 
+    import importlib
     import inspect
 
     from atom_convert.convert import make_plan
@@ -122,6 +123,9 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     kw = {"workers": opts["workers"]} if workers_api else {}
     if opts.get("worker_mode", "auto") != "auto":
         kw["worker_mode"] = opts["worker_mode"]
+    for target, value in opts.get("patch", {}).items():  # a --variant: module constants set first
+        mod, attr = target.rsplit(".", 1)
+        setattr(importlib.import_module(mod), attr, value)
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
     info = {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
@@ -484,6 +488,18 @@ def fmt_gb(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """'no-wb:atom_convert.writer.WRITEBACK_STEP=0,atom_convert.prefetch.GATE=false' -> (name, {target: value})."""
+    name, _, rest = text.partition(":")
+    patch = {}
+    for item in filter(None, rest.split(",")):
+        target, _, value = item.partition("=")
+        if not target.startswith("atom_convert.") or "." not in target:
+            sys.exit(f"bench_convert: --variant {text!r}: {target!r} is not an atom_convert module constant")
+        patch[target] = json.loads(value)
+    return name, patch
+
+
 def parse_workers(text: str) -> list[int]:
     """'1,all' -> [1, usable cores]."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -553,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    "(default 1)")
     ap.add_argument("--worker-mode", default="auto",
                     help="comma-separated: auto, process, thread (convert's worker_mode; default auto)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE[,...]",
+                    help="a configuration with module constants set in the conversion's process (VALUE is JSON), "
+                         "e.g. no-writeback:atom_convert.writer.WRITEBACK_STEP=0; repeatable; 'NAME:' alone is the "
+                         "code as it is. Default: one variant, as it is")
     ap.add_argument("--pairs", "--repeat", dest="pairs", type=int, default=None,
                     help="cold (copy, convert) pairs per configuration (default 2; --smoke 1)")
     ap.add_argument("--cache", choices=("cold", "warm"), default="cold",
@@ -608,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict[str, Any]] = []
     configs: list[dict[str, Any]] = []
+    variants = [parse_variant(v) for v in args.variant] or [("", {})]
 
     def one(kind: str, opts: dict[str, Any], warm_run: bool, pair: int | None, label: str) -> dict[str, Any]:
         dst = workdir / f"out-{kind}"
@@ -630,11 +651,13 @@ def main(argv: list[str] | None = None) -> int:
 
     k = 0
     for target in targets:
-        for workers, wmode in [(w, m) for w in worker_counts for m in args.worker_mode.split(",")]:
+        for workers, wmode, (vname, patch) in [(w, m, v) for w in worker_counts for m in args.worker_mode.split(",")
+                                               for v in variants]:
             if workers == 1 and wmode != args.worker_mode.split(",")[0]:
                 continue  # one worker runs on the calling thread whatever the mode
-            label = f"{target} tp={args.tp} workers={workers}" + (f" {wmode}" if wmode != "auto" else "")
-            opts = {"target": target, "tp": args.tp, "workers": workers, "worker_mode": wmode}
+            label = (f"{target} tp={args.tp} workers={workers}" + (f" {wmode}" if wmode != "auto" else "")
+                     + (f" {vname}" if vname else ""))
+            opts = {"target": target, "tp": args.tp, "workers": workers, "worker_mode": wmode, "patch": patch}
             mine: list[dict[str, Any]] = []
             for p in range(args.pairs):
                 order = ("copy", "convert") if k % 2 == 0 else ("convert", "copy")
@@ -644,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warm_runs):
                 mine.append(one("convert", opts, True, None, label))
             summary = summarize(mine, src_bytes, workers)
-            summary.update(target=target, tp=args.tp, label=label, worker_mode=wmode)
+            summary.update(target=target, tp=args.tp, label=label, worker_mode=wmode, variant=vname, patch=patch)
             configs.append(summary)
 
     result = {
