@@ -198,7 +198,7 @@ class WorkerProcesses:
             self._wait_ready(START_TIMEOUT_S if start_timeout is None else start_timeout)
         except BaseException:
             self.stop.set()
-            self.close()
+            self.close(wait=0.0)  # nothing was handed out: no write to wait for
             raise
 
     def _wait_ready(self, timeout: float) -> None:
@@ -318,9 +318,9 @@ class WorkerProcesses:
         if running or nxt < len(work):
             raise WorkerDied(f"the worker processes ended with {len(work) - nxt + len(running)} items left")
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
         """Tell every process to leave (after its current item, or at once when stopped), wait at
-        most STOP_WAIT_S in all, then kill what is left."""
+        most `wait` s (default STOP_WAIT_S) in all, then kill what is left."""
         if self._ended:
             return
         self._ended = True
@@ -329,7 +329,7 @@ class WorkerProcesses:
                 c.send(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + STOP_WAIT_S
+        deadline = time.monotonic() + (STOP_WAIT_S if wait is None else wait)
         for p in self.procs:
             while p.is_alive() and time.monotonic() < deadline:
                 p.join(_POLL_S)

@@ -29,7 +29,6 @@ The files are plain safetensors: `safe_open` reads them.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -236,29 +235,6 @@ class _Piece:
 
 _HASH_READ = 8 << 20  # read-back block of the hashing threads
 
-# Why: on a host with much memory the kernel starts writing dirty pages back only once 10% of RAM
-# is dirty (13 GB on the 128 GB device machine) or after 30 s, so a conversion of tens of GB
-# wrote nothing while it read the source and then waited for all of it in the seals' fsync. Each
-# hashing thread instead starts the writeback of every WRITEBACK_STEP bytes it has hashed
-# (sync_file_range WRITE: asynchronous), so the disk writes while the source is still being
-# read, and the seal's fsync waits for the last step only. 0 turns it off (benches).
-WRITEBACK_STEP = 64 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-try:
-    _libc: Any = ctypes.CDLL(None, use_errno=True)
-    _sync_file_range = _libc.sync_file_range
-    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-except (OSError, AttributeError):  # not Linux: the seal's fsync writes everything
-    _sync_file_range = None
-
-
-def _start_writeback(fd: int, offset: int, n: int) -> None:
-    """Ask the kernel to start writing bytes [offset, offset + n) of `fd` back (does not wait).
-    Only a hint: a filesystem that refuses it (tmpfs, some network ones) is written at the fsync."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)
-
-
 def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
     """A planned shard's header, each tensor's absolute byte offset, and the file's size."""
     header = shard_header(plan, outputs)
@@ -355,7 +331,6 @@ class ShardFile(_ShardIO):
         try:
             buf = bytearray(min(_HASH_READ, max(self.size, 1)))
             view = memoryview(buf)
-            flushed = 0  # bytes [0, flushed) handed to the kernel's writeback
             while self.hashed < self.size:
                 with self.cond:
                     while self.frontier <= self.hashed and not self.aborted:
@@ -369,9 +344,6 @@ class ShardFile(_ShardIO):
                         raise AtomConvertError(f"internal: {self.rel}: read back {n} bytes at {self.hashed}")
                     self.sha.update(view[:n])
                     self.hashed += n
-                    if WRITEBACK_STEP and self.hashed - flushed >= WRITEBACK_STEP:
-                        _start_writeback(self.fd, flushed, self.hashed - flushed)
-                        flushed = self.hashed
             self._io(os.fsync, self.fd)
             self.close_fd()
             with self.cond:

@@ -126,10 +126,13 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     for target, value in opts.get("patch", {}).items():  # a --variant: module constants set first
         mod, attr = target.rsplit(".", 1)
         setattr(importlib.import_module(mod), attr, value)
+    t0 = time.perf_counter()
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
     info = {"files": len(manifest.get("files", {})), "tensors": len(manifest.get("tensors", {})),
-            "manifest_conversion_seconds": manifest.get("conversion_seconds")}
+            "manifest_conversion_seconds": manifest.get("conversion_seconds"),
+            # the call alone: op_seconds also counts importing torch and the bound's plan below
+            "convert_call_seconds": time.perf_counter() - t0}
     if workers_api:
         # The memory aim of issue 9: peak RSS <= workers x one item's working set + 1 GB, with the
         # working set as workers.py estimates it (the largest (layer, rank) item of the plan).
@@ -489,7 +492,7 @@ def fmt_gb(b: float) -> str:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """'no-wb:atom_convert.writer.WRITEBACK_STEP=0,atom_convert.prefetch.GATE=false' -> (name, {target: value})."""
+    """'no-gate:atom_convert.prefetch.GATE=false,atom_convert.prefetch.STEP=8388608' -> (name, {target: value})."""
     name, _, rest = text.partition(":")
     patch = {}
     for item in filter(None, rest.split(",")):
@@ -535,6 +538,8 @@ def summarize(runs: list[dict[str, Any]], src_bytes: int, workers: int) -> dict[
         "copy_source_GBps": src_bytes / med([x["wall_seconds"] for x in copy]) / 1e9 if copy else None,
         "convert_source_GBps": src_bytes / med([x["wall_seconds"] for x in conv]) / 1e9 if conv else None,
         "convert_in_process_source_GBps": src_bytes / med([x["op_seconds"] for x in conv]) / 1e9 if conv else None,
+        "convert_call_source_GBps": (src_bytes / med([x["child"]["convert_call_seconds"] for x in conv]) / 1e9
+                                     if conv and "convert_call_seconds" in conv[0]["child"] else None),
         "output_bytes": allc[0]["output_bytes"] if allc else None,
         "peak_rss_bytes": max(x["peak_rss_bytes"] for x in allc) if allc else None,
         "peak_process_tree_rss_bytes": max(x["sampled_peak"]["process_tree_rss_bytes"] for x in allc) if allc else None,
@@ -551,6 +556,9 @@ def summarize(runs: list[dict[str, Any]], src_bytes: int, workers: int) -> dict[
         out["warm_convert_seconds"] = [x["wall_seconds"] for x in warm]
         out["warm_convert_source_GBps"] = src_bytes / med([x["wall_seconds"] for x in warm]) / 1e9
         out["warm_convert_in_process_source_GBps"] = src_bytes / med([x["op_seconds"] for x in warm]) / 1e9
+        if "convert_call_seconds" in warm[0]["child"]:
+            out["warm_convert_call_source_GBps"] = (src_bytes / med([x["child"]["convert_call_seconds"] for x in warm])
+                                                    / 1e9)
     return out
 
 
@@ -571,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: auto, process, thread (convert's worker_mode; default auto)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE[,...]",
                     help="a configuration with module constants set in the conversion's process (VALUE is JSON), "
-                         "e.g. no-writeback:atom_convert.writer.WRITEBACK_STEP=0; repeatable; 'NAME:' alone is the "
+                         "e.g. no-gate:atom_convert.prefetch.GATE=false; repeatable; 'NAME:' alone is the "
                          "code as it is. Default: one variant, as it is")
     ap.add_argument("--pairs", "--repeat", dest="pairs", type=int, default=None,
                     help="cold (copy, convert) pairs per configuration (default 2; --smoke 1)")
@@ -688,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                               "Quark MXFP4 routed experts (uint8 e2m1 + e8m0 per 32), other linears bf16"),
                    "seed": args.seed, "shard_bytes": SOURCE_SHARD_BYTES, **gen},
         "timing": "wall seconds of a fresh subprocess, start to exit (convert includes importing torch); "
-                  "op_seconds: inside the child, after imports; ratio: per (copy, convert) pair, median over pairs",
+                  "op_seconds: inside the child (a convert child's includes importing torch); "
+                  "child.convert_call_seconds: the convert call alone; ratio: per (copy, convert) pair, median over pairs",
         "runs": runs,
         "configs": configs,
     }
@@ -707,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         if c["ratio_median_of_pairs"] is not None:
             line += (f" ratio {c['ratio_median_of_pairs']:.2f}x (pairs {', '.join(f'{r:.2f}' for r in c['ratio_per_pair'])})"
                      f", copy {c['copy_source_GBps']:.2f} GB/s, convert {c['convert_source_GBps']:.2f} GB/s")
+            if c.get("convert_call_source_GBps"):
+                line += f" (the convert call alone {c['convert_call_source_GBps']:.2f} GB/s)"
         if c.get("warm_convert_source_GBps"):
             line += f", warm convert {c['warm_convert_source_GBps']:.2f} GB/s"
         line += (f", peak RSS {fmt_gb(c['peak_rss_bytes'])} (tree RSS {fmt_gb(c['peak_process_tree_rss_bytes'])}, "
