@@ -32,7 +32,7 @@ import atom_convert
 from atom_convert.errors import BadInputError, Interrupted
 from atom_convert.staging import DestinationLock, DestPaths
 from atom_convert import writer as writer_mod
-from atom_convert.writer import FaultHook, ShardFile, ShardSetWriter, _IOThread
+from atom_convert.writer import FaultHook, ShardSetWriter, _IOThread
 
 from cliutil import Shared, run_cli
 
@@ -287,20 +287,27 @@ def test_ctrl_c_at_random_points_never_hangs(src: Path, ref: Path, shard_bytes: 
         resume_and_check(src, dst, ref, monkeypatch)
 
 
-def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write that never returns (a dead network filesystem): Ctrl-C still ends the conversion,
-    within the writer's abort timeout."""
-    stuck = threading.Event()
-    real = ShardFile.pwrite
+@pytest.mark.parametrize("workers", [1, 2], ids=["thread", "processes"])
+def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 workers: int) -> None:
+    """A write that never returns (a dead network filesystem), on a write-behind thread or in a
+    worker process: Ctrl-C still ends the conversion within the bounded waits (the writer's abort
+    timeout; a stuck worker process is killed after the stop wait), only sealed shards stay, and
+    no worker process is left."""
+    from atom_convert import procs
 
-    def pwrite(sh: ShardFile, data: Any, offset: int) -> None:
+    stuck = multiprocessing.get_context("fork").Event()  # set in whichever process writes
+    real = writer_mod._ShardIO.pwrite
+
+    def pwrite(sh: Any, data: Any, offset: int) -> None:
         if sh.rel.endswith("00003-of-00009.safetensors"):
             stuck.set()
-            threading.Event().wait(3600)
+            time.sleep(3600)
         real(sh, data, offset)
 
-    monkeypatch.setattr(ShardFile, "pwrite", pwrite)
+    monkeypatch.setattr(writer_mod._ShardIO, "pwrite", pwrite)
     monkeypatch.setattr(_IOThread.abort, "__defaults__", (0.5,))
+    monkeypatch.setattr(procs, "STOP_WAIT_S", 1.0)
 
     def interrupt() -> None:  # Ctrl-C as the terminal sends it: to the process, here from another thread
         stuck.wait(60)
@@ -311,10 +318,11 @@ def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monk
     dst = tmp_path / "dst"
     t0 = time.monotonic()
     with pytest.raises(Interrupted) as ei:
-        atom_convert.convert(src, dst, **API_OPTS)
+        atom_convert.convert(src, dst, **API_OPTS, workers=workers, worker_mode="process" if workers > 1 else "auto")
     assert time.monotonic() - t0 < 30
     assert stuck.is_set() and ei.value.exit_code == 130
     check_stopped_state(dst)
+    assert multiprocessing.active_children() == []
 
 
 def _alive(pid: int) -> bool:
@@ -398,41 +406,6 @@ def test_a_forked_worker_does_not_keep_the_destination_lock(tmp_path: Path) -> N
     finally:
         if worker:
             os.kill(worker, signal.SIGKILL)
-
-
-def test_ctrl_c_with_a_stuck_write_in_a_worker_process(src: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker process's write never returns: Ctrl-C still ends the conversion (the process is
-    killed after the stop wait), only sealed shards stay, and no worker process is left."""
-    from atom_convert import procs
-
-    stuck = multiprocessing.get_context("fork").Event()
-    parent = os.getpid()
-    real = writer_mod._ShardIO.pwrite
-
-    def pwrite(sh: Any, data: Any, offset: int) -> None:
-        if os.getpid() != parent and sh.rel.endswith("00003-of-00009.safetensors"):
-            stuck.set()
-            time.sleep(3600)
-        real(sh, data, offset)
-
-    monkeypatch.setattr(writer_mod._ShardIO, "pwrite", pwrite)
-    monkeypatch.setattr(procs, "STOP_WAIT_S", 1.0)
-
-    def interrupt() -> None:  # Ctrl-C as the terminal sends it: to the process, here from another thread
-        stuck.wait(60)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
-    dst = tmp_path / "dst"
-    t0 = time.monotonic()
-    with pytest.raises(Interrupted) as ei:
-        atom_convert.convert(src, dst, **API_OPTS, workers=2, worker_mode="process")
-    assert time.monotonic() - t0 < 30
-    assert stuck.is_set() and ei.value.exit_code == 130
-    check_stopped_state(dst)
-    assert multiprocessing.active_children() == []
 
 
 # ------------------------------------------------------------------------------------------------
