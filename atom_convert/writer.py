@@ -235,6 +235,7 @@ class _Piece:
 
 _HASH_READ = 8 << 20  # read-back block of the hashing threads
 
+
 def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
     """A planned shard's header, each tensor's absolute byte offset, and the file's size."""
     header = shard_header(plan, outputs)
