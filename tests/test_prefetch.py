@@ -23,13 +23,13 @@ TP = 2
 
 @pytest.fixture()
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Readahead in 4 KB steps, each request 1 ms: the thread is slow enough to be caught mid-group.
+    """Readahead in 4 KB steps, each request 2 ms: the thread is slow enough to be caught mid-group.
     Returns the (offset, bytes) of every request, in order."""
     asked: list[tuple[int, int]] = []
 
     def fadvise(fd: int, off: int, n: int, advice: int) -> None:
         asked.append((off, n))
-        time.sleep(0.001)
+        time.sleep(0.002)
         os.posix_fadvise(fd, off, n, advice)
 
     monkeypatch.setattr(prefetch, "STEP", 4096)
