@@ -45,7 +45,7 @@ import warnings
 from typing import Any, Callable
 
 from .errors import AtomConvertError
-from .workers import Budget, Item
+from .workers import Budget, Item, first_error
 
 STOP_WAIT_S = 10.0  # after a stop, how long running workers may take to notice before they are killed
 START_TIMEOUT_S = 60.0  # from the fork to "ready"
@@ -159,8 +159,9 @@ class WorkerProcesses:
 
     In each process: `start(send)` makes its state (`send` passes a message to the parent's
     `message`), `run(task, state)` converts one item (`task` as `run_items` sends it) and returns
-    what `finished` receives, `end(state, ok)` ends it (after the last item, or an error). Use it
-    as a context manager: leaving it ends the processes (killed if they do not leave in time).
+    what `finished` receives, `end(state, ok)` ends it (after the last item, or an error). The
+    caller ends the processes with `close` (stop first after an error: they are killed if they do
+    not leave in time).
     """
 
     def __init__(self, n: int, *, start: Callable[[Send], Any], run: Callable[[Any, Any], Any],
@@ -223,14 +224,6 @@ class WorkerProcesses:
     @property
     def ended(self) -> bool:
         return self._ended
-
-    def __enter__(self) -> "WorkerProcesses":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is not None:
-            self.stop.set()
-        self.close()
 
     def run_items(self, work: list[Item], task: Callable[[int], Any], *, budget: Budget,
                   prepare: Callable[[Item], None], message: Callable[[tuple[Any, ...]], None],
@@ -311,10 +304,7 @@ class WorkerProcesses:
             stop.set()
             raise
         if errors:
-            from .writer import Cancelled
-
-            real = [e for e in errors if not isinstance(e, Cancelled)]
-            raise (real or errors)[0]
+            raise first_error(errors)
         if running or nxt < len(work):
             raise WorkerDied(f"the worker processes ended with {len(work) - nxt + len(running)} items left")
 

@@ -220,7 +220,13 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
             t.join(max(0.0, deadline - time.monotonic()))
         raise
     if errors:
-        from .writer import Cancelled
+        raise first_error(errors)
 
-        real = [e for e in errors if not isinstance(e, Cancelled)]
-        raise (real or errors)[0]
+
+def first_error(errors: list[BaseException]) -> BaseException:
+    """The error to raise after a stop: the first real one, not a worker's `Cancelled` (it only
+    says that the worker stopped because another one failed or the run was interrupted)."""
+    from .writer import Cancelled
+
+    real = [e for e in errors if not isinstance(e, Cancelled)]
+    return (real or errors)[0]
