@@ -243,15 +243,10 @@ def test_fnuz_normalize_every_code_in_every_byte_lane():
     gen = torch.Generator().manual_seed(5)
     big = torch.randint(0, 256, (3 * fnuz_mod._BLOCK * 8 + 8,), generator=gen, dtype=torch.uint8)  # several blocks
     big[::97] = 0x80
-    pool = buffers.BufferPool(keep_bytes=1 << 30)
     for piece in (big, big[:-3], big[1:]):  # words; odd size; misaligned start
         want = torch.where(piece == 0x80, torch.zeros_like(piece), piece)
         assert torch.equal(fnuz_normalize(piece.view(FN)).view(torch.uint8), want)
         assert torch.equal(fnuz_normalize_(piece.clone().view(FN)).view(torch.uint8), want)
-        with buffers.using(pool):  # the temporary from a reused slab, as while converting
-            for _ in range(2):
-                assert torch.equal(fnuz_normalize_(piece.clone().view(FN)).view(torch.uint8), want)
-    assert pool.reused >= 1
 
 
 def test_fnuz_normalize_2d_random_and_dtype_guard():
