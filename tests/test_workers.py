@@ -104,6 +104,27 @@ def test_output_identical_for_any_number_of_workers(sources: Callable[..., Path]
                 assert got == ref, f"workers={workers} ({mode}), shard size {shard}: output differs from workers=1"
 
 
+@pytest.mark.parametrize("from_map", [True, False], ids=["mapped", "read-back"])
+def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch, from_map: bool) -> None:
+    """The hashing threads follow the written prefix through a mapping of the file (or read it back):
+    with windows of an odd size, so that most start inside a page, every shard's sha256 in the
+    manifest is hashlib's over the file as written, for workers in processes and in threads."""
+    from atom_convert import writer
+
+    monkeypatch.setattr(writer, "HASH_FROM_MAP", from_map)
+    monkeypatch.setattr(writer, "_HASH_READ", 12345)
+    src = sources("fp8", 8)
+    for workers, mode in ((2, "process"), (3, "thread")):
+        dst = tmp_path / f"w{workers}"
+        m = atom_convert.convert(src, dst, target="gfx942", tp=8, workers=workers, worker_mode=mode,
+                                 shard_size="150KB")
+        shards = {k: v for k, v in m["files"].items() if k.endswith(".safetensors")}
+        assert len(shards) > 8
+        for rel, meta in shards.items():
+            assert meta["sha256"] == hashlib.sha256((dst / rel).read_bytes()).hexdigest(), (workers, rel)
+
+
 @pytest.mark.parametrize("par", [{"ep": True}, {"dp_attention": True, "ep": True}], ids=["ep", "dpa-ep"])
 def test_output_identical_for_any_number_of_workers_parallel_modes(sources: Callable[..., Path], tmp_path: Path,
                                                                    par: dict[str, bool]) -> None:
