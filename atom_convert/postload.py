@@ -15,7 +15,7 @@ import torch
 
 from . import buffers
 from .errors import UnsupportedError
-from .quant.fnuz import fnuz_normalize_, target_scale
+from .quant.fnuz import fnuz_normalize_, fnuz_normalize_scan_, target_scale
 from .quant.formats import FP8_BLOCK, FP8_DTYPE_BY_TARGET
 from .quant.fp8_block import cdiv
 from .quant.mxfp4 import E8M0_SHUFFLE_COLS, E8M0_SHUFFLE_ROWS, MXFP4_BLOCK, e8m0_shuffle
@@ -160,6 +160,11 @@ class MoEPostLoad:
         return {"w13_weight": TensorSpec(BF16, (n, 2 * il, H), shuffled=True),
                 "w2_weight": TensorSpec(BF16, (n, H, il), shuffled=True)}
 
+    def scans_values(self, target: str) -> bool:
+        """Whether w13/w2 scan every byte of the expert weights for bad values themselves, so the
+        reads may leave the check to them (LinearCodec.read's defer_check)."""
+        return False
+
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _stack_shuffled([gate.weight.to(BF16), up.weight.to(BF16)]), None
 
@@ -189,18 +194,30 @@ class Fp8MoEPostLoad(MoEPostLoad):
             "w2_weight_scale": TensorSpec(torch.float32, (n, cdiv(H, FP8_BLOCK), cdiv(il, FP8_BLOCK))),
         }
 
+    def scans_values(self, target: str) -> bool:
+        # gfx942: the fnuz pass reads every byte of the shuffled weight in L2-sized steps and finds
+        # e4m3fn NaN codes on the way (fnuz_normalize_scan_), where the read's check would read the
+        # source twice more (two reductions; about a tenth of a gfx942 conversion's CPU time on the
+        # 2-core box, BENCHMARKS.md, issue 9, seventh round). The shuffle moves bytes and fnuz
+        # clears only 0x80, so a NaN code is in the output exactly when it is in the source.
+        return FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz
+
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         # [gate; up] shuffled straight into one tensor, then fnuz in place on gfx942: the same bytes
         # as fnuz -> cat -> shuffle16 with one pass and one allocation fewer (each part is a whole
         # number of 16-row bands; fnuz is per byte).
         w = _stack_shuffled([gate.weight, up.weight])
         if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
-            w = fnuz_normalize_(w)
+            w = _fnuz_rechecked(w, [gate, up])
         # cat copies: a view would keep the expert's file pages mapped
         return w, target_scale(torch.cat([gate.scale, up.scale], 0), target)
 
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _fp8_shuffled(down.weight, target), target_scale(down.scale, target).clone()
+        if FP8_DTYPE_BY_TARGET[target] != torch.float8_e4m3fnuz:
+            return _fp8_shuffled(down.weight, target), target_scale(down.scale, target).clone()
+        if down.weight.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {down.weight.dtype}")
+        return _fnuz_rechecked(shuffle16(down.weight), [down]), target_scale(down.scale, target).clone()
 
 
 class Mxfp4MoEPostLoad(MoEPostLoad):
@@ -268,6 +285,21 @@ def _fp8_shuffled(w: torch.Tensor, target: str) -> torch.Tensor:
         raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {w.dtype}")
     out = shuffle16(w)
     return fnuz_normalize_(out) if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz else out
+
+
+def _fnuz_rechecked(w: torch.Tensor, parts: list[Any]) -> torch.Tensor:
+    """fnuz in place on `w`, made from the parts' weights (LinearData). Parts read with their value
+    check deferred (`recheck` set) are checked here: when the fnuz pass meets an e4m3fn NaN code,
+    their checks run, and the first bad one reports as the read would have (BadInputError naming
+    file, tensor and stored index; with --allow-nonfinite, the manifest's record)."""
+    rechecks = [p.recheck for p in parts if p.recheck is not None]
+    if not rechecks:
+        return fnuz_normalize_(w)
+    out, nan = fnuz_normalize_scan_(w)
+    if nan:
+        for recheck in rechecks:
+            recheck()
+    return out
 
 
 def _stack_shuffled(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -463,33 +463,44 @@ class SourceCheckpoint:
             weakref.finalize(t.untyped_storage(), m.drop, info.begin + lo, info.begin + (info.nbytes if hi is None else hi))
         return t
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, check: bool = True) -> torch.Tensor:
+        """The stored tensor. check=False: the caller checks its values itself (`recheck`)."""
         info = self.tensors[name]
         t = self._view(info)
-        self.values.check(name, info.file, t)
+        if check:
+            self.values.check(name, info.file, t)
         return t
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def get_rows(self, name: str, start: int, stop: int, check: bool = True) -> torch.Tensor:
         """Rows [start, stop) of dim 0, reading only those bytes."""
         info = self.tensors[name]
         if start == 0 and stop == info.shape[0]:
-            return self.get(name)
+            return self.get(name, check)
         row = info.nbytes // max(1, info.shape[0])
         t = self._view(info, start * row, stop * row)[start:stop]
-        self.values.check(name, info.file, t, (start,))
+        if check:
+            self.values.check(name, info.file, t, (start,))
         return t
 
-    def get_cols(self, name: str, start: int, stop: int, contiguous: bool = True) -> torch.Tensor:
+    def get_cols(self, name: str, start: int, stop: int, contiguous: bool = True, check: bool = True) -> torch.Tensor:
         """Columns [start, stop) of dim 1 of a 2-D tensor; contiguous=False: a strided view of the
         mapping (for a consumer whose own copy gathers the columns, such as the shuffle)."""
         info = self.tensors[name]
         if start == 0 and stop == info.shape[1]:
-            return self.get(name)
+            return self.get(name, check)
         cols = self._view(info)[:, start:stop]
         if contiguous:
             cols = cols.contiguous()
-        self.values.check(name, info.file, cols, (0, start))
+        if check:
+            self.values.check(name, info.file, cols, (0, start))
         return cols
+
+    def recheck(self, name: str, t: torch.Tensor, origin: tuple[int, ...] = ()) -> Callable[[], None]:
+        """The value check of `t` (read from `name` with check=False, at `origin`) as a call for
+        later: the caller that found a bad value in the bytes it made from t runs it, and the report
+        (error or --allow-nonfinite record) is the one the read would have made."""
+        file = self.tensors[name].file
+        return lambda: self.values.check(name, file, t, origin)
 
     def file_sizes(self) -> dict[str, int]:
         return {f: (self.path / f).stat().st_size for f in self.files}

@@ -636,6 +636,14 @@ _value_case("value-fp8-nan-code-0xff-gfx942", "fp8", "model.layers.0.self_attn.q
 # tp=2: rank 1 reads down_proj's columns 128..255 and gate/up's rows 128..255; the index is the stored one
 _value_case("value-fp8-expert-nan-code-tp2", "fp8", "model.layers.2.mlp.experts.5.down_proj.weight", (300, 200), 0xFF,
             ["byte 0xFF"], ("--tp", "2"))
+# gfx942 leaves an fp8 expert weight's check to its fnuz pass (postload.py): the same report, for
+# w2 (down, columns), the second half of w13 (up, rows) and a whole expert at tp=1
+_value_case("value-fp8-expert-nan-code-gfx942-down-tp2", "fp8", "model.layers.2.mlp.experts.5.down_proj.weight",
+            (300, 200), 0xFF, ["byte 0xFF", "e4m3fnuz", "(1 such element(s)"], ("--tp", "2", "--target", "gfx942"))
+_value_case("value-fp8-expert-nan-code-gfx942-up-tp2", "fp8", "model.layers.1.mlp.experts.3.up_proj.weight",
+            (200, 37), 0x7F, ["byte 0x7F", "shape [128, 320] from index [128])"], ("--tp", "2", "--target", "gfx942", "--workers", "2"))
+_value_case("value-fp8-expert-nan-code-gfx942-gate-tp1", "fp8", "model.layers.2.mlp.experts.0.gate_proj.weight",
+            (3, 5), 0xFF, ["byte 0xFF"], ("--target", "gfx942"))
 _value_case("value-fp8-expert-scale-nan-tp2", "fp8", "model.layers.1.mlp.experts.6.up_proj.weight_scale_inv", (1, 2),
             float("nan"), ["NaN"], ("--tp", "2"))
 _value_case("value-bf16-weight-nan", "bf16", "model.layers.0.self_attn.q_b_proj.weight", (3, 4), float("nan"), ["NaN"])
@@ -753,6 +761,28 @@ def test_allow_nonfinite_converts_and_records_each_tensor(sources: Sources, tmp_
 
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])
+def test_allow_nonfinite_records_expert_nan_codes_alike_on_both_targets(sources: Sources, tmp_path: Path,
+                                                                        target: str) -> None:
+    """An fp8 expert's NaN codes, checked as read on gfx950 and in the fnuz pass on gfx942
+    (postload.py): the same records (file, tensor, stored index, value, count), once per tensor
+    though both ranks' slices and both w13 halves hold one; and without them the bytes convert as
+    they are (a NaN code on gfx942 is a finite fnuz value, 0x80 aside, which fnuz clears)."""
+    src = _fp8(sources)
+    pokes = [("model.layers.1.mlp.experts.2.up_proj.weight", (5, 9), 0x7F),
+             ("model.layers.1.mlp.experts.2.up_proj.weight", (250, 1), 0xFF),  # the same tensor, rank 1's rows
+             ("model.layers.2.mlp.experts.6.down_proj.weight", (17, 130), 0xFF)]
+    files = {name: poke(src, name, index, byte) for name, index, byte in pokes}
+    dst = tmp_path / "dst"
+    r = run_cli(["convert", src, dst, "--tp", "2", "--target", target, "--allow-nonfinite", "--workers", "2"])
+    assert r.code == 0, r.text
+    checks = json.loads((dst / "atom_manifest.json").read_text())["value_checks"]
+    got = sorted((w["file"], w["tensor"], w["first_index"], w["value"]) for w in checks["warnings"])
+    up, down = (p[0] for p in pokes[::2])
+    assert got == sorted([(files[up], up, [5, 9], "byte 0x7F"), (files[down], down, [17, 130], "byte 0xFF")]), got
+    assert check_files(dst).ok
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942"])
 def test_verify_source_of_an_allow_nonfinite_conversion(sources: Sources, tmp_path: Path, target: str) -> None:
     """verify --source on such a conversion: the elements whose source value is non-finite are left
     out (on gfx942 an e4m3fn NaN byte reads as a finite fnuz value), each tensor named in a note; the
@@ -808,6 +838,33 @@ def test_fp8_check_against_every_code() -> None:
         assert bool(guard.warnings) == nan, hex(code)
         if nan:
             assert guard.warnings[0]["first_index"] == [2, 4]
+
+
+def test_records_do_not_depend_on_the_order_slices_are_checked() -> None:
+    """Ranks and workers check a tensor's slices in any order: the record kept per tensor and
+    problem is the one with the smallest stored index, whether the slices reach one guard or come
+    from worker processes' guards merged in either order."""
+    gen = torch.Generator().manual_seed(9)
+    t = torch.randn(8, 6, generator=gen)
+    t[1, 4] = float("nan")
+    t[6, 0] = float("inf")
+    slices = [(t[4:], (4,)), (t[:4], (0,))]
+    want = ValueGuard(allow_nonfinite=True)
+    for part, origin in slices[::-1]:  # in stored order
+        want.check("w", "f", part, origin)
+    for order in (slices, slices[::-1]):
+        one = ValueGuard(allow_nonfinite=True)
+        for part, origin in order:
+            one.check("w", "f", part, origin)
+        assert one.summary() == want.summary()
+        assert [w["first_index"] for w in one.summary()["warnings"]] == [[1, 4]]
+        parent = ValueGuard(allow_nonfinite=True)
+        for part, origin in order:
+            worker = ValueGuard(allow_nonfinite=True)
+            worker.after_fork()
+            worker.check("w", "f", part, origin)
+            parent.merge(worker.take())
+        assert parent.summary() == want.summary()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from atom_convert import buffers
 from atom_convert.quant import fnuz as fnuz_mod
-from atom_convert.quant.fnuz import fnuz_normalize, fnuz_normalize_, fnuz_scale, target_scale, to_target_fp8
+from atom_convert.quant.fnuz import (fnuz_normalize, fnuz_normalize_, fnuz_normalize_scan_, fnuz_scale, target_scale,
+                                    to_target_fp8)
 from atom_convert.quant.fp8_block import block_dequant
 from atom_convert.quant.per_tensor import per_tensor_quant
 from atom_convert.quant.shuffle import shuffle16, shuffle_requirements_met, unshuffle16
@@ -247,6 +248,34 @@ def test_fnuz_normalize_every_code_in_every_byte_lane():
         want = torch.where(piece == 0x80, torch.zeros_like(piece), piece)
         assert torch.equal(fnuz_normalize(piece.view(FN)).view(torch.uint8), want)
         assert torch.equal(fnuz_normalize_(piece.clone().view(FN)).view(torch.uint8), want)
+
+
+def test_fnuz_scan_finds_each_nan_code_in_every_lane_and_block():
+    """fnuz_normalize_scan_ says whether an e4m3fn NaN code (0x7F, 0xFF) was among the bytes: for
+    every code alone at every byte lane of a word, in the last block of several, on the word path
+    and on the per-byte fallback (misaligned); and its bytes are fnuz_normalize_'s."""
+    gen = torch.Generator().manual_seed(11)
+    n = 2 * fnuz_mod._BLOCK * 8 + 64  # words: three blocks, the last a short one
+    base = torch.randint(0, 256, (n + 1,), generator=gen, dtype=torch.uint8)
+    base[(base & 0x7F) == 0x7F] = 0x80  # no NaN code, some 0x80
+    for start in (0, 1):  # 8-byte words; a misaligned view (the per-byte fallback)
+        clean = base[start:start + n]
+        out, nan = fnuz_normalize_scan_(clean.clone().view(FN))
+        assert not nan
+        assert torch.equal(out.view(torch.uint8), fnuz_normalize_(clean.clone().view(FN)).view(torch.uint8))
+        for code in range(256):
+            for lane in range(8) if start == 0 else (3,):
+                b = clean.clone()
+                b[n - 64 + lane] = code
+                out, nan = fnuz_normalize_scan_(b.view(FN))
+                assert nan == ((code & 0x7F) == 0x7F), (start, code, lane)
+        # the flag does not change the bytes, and a NaN code in the first block is found too
+        b = clean.clone()
+        b[5] = 0xFF
+        want = torch.where(b == 0x80, torch.zeros_like(b), b)
+        out, nan = fnuz_normalize_scan_(b.clone().view(FN))
+        assert nan and torch.equal(out.view(torch.uint8), want)
+    assert fnuz_normalize_scan_(torch.empty(0, dtype=torch.uint8).view(FN))[1] is False
 
 
 def test_fnuz_normalize_2d_random_and_dtype_guard():

@@ -331,10 +331,11 @@ def _read_expert(ctx: _Ctx, codec: LinearCodec, module: str, axis: int, rank: in
     atom-parallel.md §1.1; flattened over every GPU under DP-attention, §2.2)."""
     mtp = ctx.par.moe_tp
     il = ctx.spec.I // mtp
+    defer = MOE[codec.name].scans_values(ctx.target)  # the post-load finds bad values itself (postload.py)
     if mtp == 1:
-        return codec.read(ctx.src, module)
+        return codec.read(ctx.src, module, defer_check=defer)
     piece = rank % mtp
-    return codec.read(ctx.src, module, axis, piece * il, (piece + 1) * il)
+    return codec.read(ctx.src, module, axis, piece * il, (piece + 1) * il, defer_check=defer)
 
 
 def _rank_modules(mods: list[tuple[str, str, str]], slots: list[list[int]], rank: int) -> list[tuple[str, str, str]]:

@@ -13,7 +13,7 @@ import fnmatch
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
@@ -32,6 +32,10 @@ class LinearData:
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
+    # Set when the read left the weight's value check to the caller (`read(defer_check=True)`): run
+    # it when the caller finds a bad value in what it made of the weight, for the report the read
+    # would have made (file, tensor, first index in the stored tensor).
+    recheck: Callable[[], None] | None = None
 
 
 class LinearCodec(ABC):
@@ -57,8 +61,12 @@ class LinearCodec(ABC):
         """Problems (missing tensor, wrong dtype/shape, scale grid) as messages naming file and tensor."""
 
     @abstractmethod
-    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
-        """The whole linear (axis None) or rows (axis 0) / columns (axis 1) [start, stop)."""
+    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0,
+             defer_check: bool = False) -> LinearData:
+        """The whole linear (axis None) or rows (axis 0) / columns (axis 1) [start, stop).
+        defer_check: the caller scans every byte of the weight for bad values itself (postload.py,
+        gfx942 fp8 experts), so the read may skip its check and set `recheck`; a codec may ignore it
+        and check as it reads."""
 
     @abstractmethod
     def dequant(self, data: LinearData) -> torch.Tensor:

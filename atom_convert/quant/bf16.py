@@ -35,7 +35,8 @@ class Bf16Linear(LinearCodec, codec="bf16"):
             problems.append(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected [{out_f}, {in_f}]")
         return problems
 
-    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
+    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0,
+             defer_check: bool = False) -> LinearData:  # checked as read (defer_check ignored)
         name = f"{module}.weight"
         if axis is None:
             w = src.get(name)

@@ -31,7 +31,7 @@ _LOW7 = 0x7F7F7F7F7F7F7F7F  # per byte lane of an int64: 0x7F
 _BLOCK = 1 << 15
 
 
-def _clear_0x80_bytes_(words: torch.Tensor) -> None:
+def _clear_0x80_bytes_(words: torch.Tensor, find_nan: bool = False) -> bool:
     """Every byte 0x80 of an int64 tensor's bytes set to 0x00, others unchanged, 8 bytes per lane
     op. Per byte x: t = (x & 0x7F) + 0x7F has bit 7 set exactly when x & 0x7F != 0 (at most
     0xFE: no carry into the next byte); x & (t | 0x7F) then clears bit 7 only when the low
@@ -40,28 +40,46 @@ def _clear_0x80_bytes_(words: torch.Tensor) -> None:
     2-core box for a [512, 7168] chunk just written, as the shuffle leaves it). masked_fill_ with a
     comparison mask does the same at a tenth of the speed or less (1.6 against 15 GB/s on one
     core of the 2-core box for a [512, 7168] chunk in cache; 0.41 against 2.4-2.9 GB/s in an
-    earlier measurement); tests hold the two equal on every byte value in every lane."""
+    earlier measurement); tests hold the two equal on every byte value in every lane.
+
+    find_nan: also say whether a byte was an e4m3fn NaN code (0x7F or 0xFF: low seven bits all
+    ones), read off t, whose byte is 0xFE exactly then (a fifth pass, a reduction in L2). Returns
+    that (False when not asked)."""
     t = torch.empty((min(_BLOCK, words.numel()),), dtype=torch.int64)  # 256 KB: from the heap, cheap
+    nan = False
     for i in range(0, words.numel(), _BLOCK):
         w = words[i:i + _BLOCK]
         tt = t[:w.numel()]
         torch.bitwise_and(w, _LOW7, out=tt)
         tt += _LOW7
+        if find_nan and not nan:
+            nan = int(tt.view(torch.uint8).amax()) == 0xFE
         tt |= _LOW7
         w &= tt
+    return nan
 
 
 def fnuz_normalize_(w: torch.Tensor) -> torch.Tensor:
     """`fnuz_normalize` in place on a fresh e4m3fn tensor the caller owns (a shuffled output:
     the normalisation is per byte, so it commutes with the shuffle); returns the e4m3fnuz view."""
+    return fnuz_normalize_scan_(w, find_nan=False)[0]
+
+
+def fnuz_normalize_scan_(w: torch.Tensor, find_nan: bool = True) -> tuple[torch.Tensor, bool]:
+    """`fnuz_normalize_`, and whether an e4m3fn NaN code (0x7F/0xFF) was among w's bytes, found in
+    the same pass. Why: the value check of an fp8 expert weight (values.py) would otherwise read the
+    source twice more; on gfx942 the pipeline defers it to here (postload.py)."""
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fnuz_normalize_ expects float8_e4m3fn, got {w.dtype}")
     b = w.view(torch.int8)
+    nan = False
     if b.is_contiguous() and b.numel() % 8 == 0 and b.data_ptr() % 8 == 0 and b.numel():
-        _clear_0x80_bytes_(b.reshape(-1).view(torch.int64))
+        nan = _clear_0x80_bytes_(b.reshape(-1).view(torch.int64), find_nan)
     else:
+        if find_nan and b.numel():
+            nan = bool(((b & 0x7F) == 0x7F).any())
         b.masked_fill_(b == FNUZ_NAN_BYTE, 0)
-    return b.view(torch.float8_e4m3fnuz)
+    return b.view(torch.float8_e4m3fnuz), nan
 
 
 def fnuz_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -91,19 +91,25 @@ class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
                 )
         return problems
 
-    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
+    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0,
+             defer_check: bool = False) -> LinearData:
         w, s = self.source_names(module)
+        check = not defer_check
         if axis is None:
-            d, origin = LinearData(src.get(w), src.get(s).float()), ()
+            d, origin, worigin = LinearData(src.get(w, check), src.get(s).float()), (), ()
         else:
             # Callers slice on 128-row/column boundaries (checked at planning, spec §3.2).
             b0, b1 = start // FP8_BLOCK, cdiv(stop, FP8_BLOCK)
             if axis == 0:
-                d, origin = LinearData(src.get_rows(w, start, stop), src.get_rows(s, b0, b1).float()), (b0,)
+                d, origin = LinearData(src.get_rows(w, start, stop, check), src.get_rows(s, b0, b1).float()), (b0,)
+                worigin = (start,)
             else:
                 # The weight as a strided view: every consumer (fnuz, shuffle16, dequant) copies it anyway.
-                d, origin = LinearData(src.get_cols(w, start, stop, contiguous=False),
+                d, origin = LinearData(src.get_cols(w, start, stop, contiguous=False, check=check),
                                        src.get_cols(s, b0, b1).float()), (0, b0)
+                worigin = (0, start)
+        if defer_check:
+            d.recheck = src.recheck(w, d.weight, worigin)
         assert d.scale is not None
         src.values.scales(s, src.info(s).file, d.scale, origin)  # a zero or negative scale is finite but wrong
         return d

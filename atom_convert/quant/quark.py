@@ -56,7 +56,8 @@ class Mxfp4Linear(LinearCodec, codec="mxfp4"):
                 problems.append(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {list(shape)} ({what})")
         return problems
 
-    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0) -> LinearData:
+    def read(self, src: "SourceCheckpoint", module: str, axis: int | None = None, start: int = 0, stop: int = 0,
+             defer_check: bool = False) -> LinearData:  # checked as read (defer_check ignored)
         w, s = self.source_names(module)
         if axis is None:
             d, origin = LinearData(src.get(w), src.get(s)), ()

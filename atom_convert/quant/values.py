@@ -34,7 +34,11 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 class ValueGuard:
     allow_nonfinite: bool = False
     warnings: list[dict[str, Any]] = field(default_factory=list)
-    _seen: set[tuple[str, str]] = field(default_factory=set)
+    # (tensor, problem) -> its record: one per tensor and problem, the one with the smallest first
+    # index. Why the smallest: slices of one tensor are checked by several ranks and workers in any
+    # order, and the manifest must not depend on it (under allow_nonfinite every slice is checked,
+    # so this is the tensor's first bad element).
+    _seen: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Worker threads (workers.py) report concurrently: one lock keeps one record per tensor and problem.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -86,11 +90,8 @@ class ValueGuard:
         where = f"{file}: tensor {name}"
         if self.allow_nonfinite:
             with self._lock:
-                if (name, problem) in self._seen:  # one record per tensor and problem, not per rank or slice
-                    return
-                self._seen.add((name, problem))
-                self.warnings.append({"file": file, "tensor": name, "problem": problem, "first_index": idx,
-                                      "value": value, "count_in_first_slice": count})
+                self._keep({"file": file, "tensor": name, "problem": problem, "first_index": idx,
+                            "value": value, "count_in_first_slice": count})
             return
         raise BadInputError(
             f"{where}: {problem}: first at index {idx}, value {value} ({count} such element(s) in the part read, "
@@ -100,12 +101,23 @@ class ValueGuard:
         )
 
     # -- worker processes (procs.py) ----------------------------------------------------------
+    def _keep(self, w: dict[str, Any]) -> None:
+        """Under the lock: `w` becomes the record of its tensor and problem unless one with an index
+        as small is kept already (see `_seen`)."""
+        key = (w["tensor"], w["problem"])
+        old = self._seen.get(key)
+        if old is not None and old["first_index"] <= w["first_index"]:
+            return
+        self._seen[key] = w
+        self.warnings = [x for x in self.warnings if x is not old]
+        self.warnings.append(w)
+
     def after_fork(self) -> None:
         """In a worker process: a fresh lock, and only this process's own records from now on
         (the converting process holds the earlier ones and merges what `take` hands it)."""
         self._lock = threading.Lock()
         self.warnings = []
-        self._seen = set()
+        self._seen = {}
 
     def take(self) -> list[dict[str, Any]]:
         """The records made since the last call (a worker process sends them with each item)."""
@@ -114,13 +126,10 @@ class ValueGuard:
         return out
 
     def merge(self, records: list[dict[str, Any]]) -> None:
-        """Records from a worker process, one per tensor and problem as `_report` keeps them."""
+        """Records from a worker process, kept as `_report` keeps them (one per tensor and problem)."""
         with self._lock:
             for w in records:
-                key = (w["tensor"], w["problem"])
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.warnings.append(w)
+                self._keep(w)
 
     def summary(self) -> dict[str, Any]:
         # Sorted: the order in which worker threads met the tensors is not part of the result.
