@@ -9,7 +9,7 @@ shape, padding, fnuz normalisation, shuffles. One entry per codec name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -213,11 +213,7 @@ class Fp8MoEPostLoad(MoEPostLoad):
         return w, target_scale(torch.cat([gate.scale, up.scale], 0), target)
 
     def w2(self, down: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if FP8_DTYPE_BY_TARGET[target] != torch.float8_e4m3fnuz:
-            return _fp8_shuffled(down.weight, target), target_scale(down.scale, target).clone()
-        if down.weight.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {down.weight.dtype}")
-        return _fnuz_rechecked(shuffle16(down.weight), [down]), target_scale(down.scale, target).clone()
+        return _fp8_shuffled(down.weight, target, [down]), target_scale(down.scale, target).clone()
 
 
 class Mxfp4MoEPostLoad(MoEPostLoad):
@@ -279,15 +275,16 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
         return shuffle16(w), e8m0_shuffle(s)
 
 
-def _fp8_shuffled(w: torch.Tensor, target: str) -> torch.Tensor:
-    """shuffle16(fnuz(w)) on gfx942, shuffle16(w) on gfx950, as one fresh tensor."""
+def _fp8_shuffled(w: torch.Tensor, target: str, parts: Sequence[Any] = ()) -> torch.Tensor:
+    """shuffle16(fnuz(w)) on gfx942, shuffle16(w) on gfx950, as one fresh tensor; `parts`: the
+    LinearData w is the weight of, for their deferred value checks (`_fnuz_rechecked`)."""
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {w.dtype}")
     out = shuffle16(w)
-    return fnuz_normalize_(out) if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz else out
+    return _fnuz_rechecked(out, parts) if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz else out
 
 
-def _fnuz_rechecked(w: torch.Tensor, parts: list[Any]) -> torch.Tensor:
+def _fnuz_rechecked(w: torch.Tensor, parts: Sequence[Any]) -> torch.Tensor:
     """fnuz in place on `w`, made from the parts' weights (LinearData). Parts read with their value
     check deferred (`recheck` set) are checked here: when the fnuz pass meets an e4m3fn NaN code,
     their checks run, and the first bad one reports as the read would have (BadInputError naming

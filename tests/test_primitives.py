@@ -256,24 +256,33 @@ def test_fnuz_scan_finds_each_nan_code_in_every_lane_and_block():
     and on the per-byte fallback (misaligned); and its bytes are fnuz_normalize_'s."""
     gen = torch.Generator().manual_seed(11)
     n = 2 * fnuz_mod._BLOCK * 8 + 64  # words: three blocks, the last a short one
-    base = torch.randint(0, 256, (n + 1,), generator=gen, dtype=torch.uint8)
+    base = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
     base[(base & 0x7F) == 0x7F] = 0x80  # no NaN code, some 0x80
-    for start in (0, 1):  # 8-byte words; a misaligned view (the per-byte fallback)
-        clean = base[start:start + n]
-        out, nan = fnuz_normalize_scan_(clean.clone().view(FN))
+    clean = base[:n]
+
+    def placed(b: torch.Tensor, start: int) -> torch.Tensor:
+        """b's bytes in a fresh buffer from byte `start` on: 0, the word path; 1, a start that is
+        not 8-byte aligned, the per-byte fallback."""
+        buf = torch.empty(start + b.numel(), dtype=torch.uint8)
+        buf[start:] = b
+        return buf[start:]
+
+    for start in (0, 1):
+        assert (placed(clean, start).data_ptr() % 8 == 0) == (start == 0)
+        out, nan = fnuz_normalize_scan_(placed(clean, start).view(FN))
         assert not nan
         assert torch.equal(out.view(torch.uint8), fnuz_normalize_(clean.clone().view(FN)).view(torch.uint8))
         for code in range(256):
             for lane in range(8) if start == 0 else (3,):
                 b = clean.clone()
                 b[n - 64 + lane] = code
-                out, nan = fnuz_normalize_scan_(b.view(FN))
+                out, nan = fnuz_normalize_scan_(placed(b, start).view(FN))
                 assert nan == ((code & 0x7F) == 0x7F), (start, code, lane)
         # the flag does not change the bytes, and a NaN code in the first block is found too
         b = clean.clone()
         b[5] = 0xFF
         want = torch.where(b == 0x80, torch.zeros_like(b), b)
-        out, nan = fnuz_normalize_scan_(b.clone().view(FN))
+        out, nan = fnuz_normalize_scan_(placed(b, start).view(FN))
         assert nan and torch.equal(out.view(torch.uint8), want)
     assert fnuz_normalize_scan_(torch.empty(0, dtype=torch.uint8).view(FN))[1] is False
 
