@@ -24,19 +24,21 @@ and its journal), the lock file, `.atom-old`, and an old DST that --force may re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import BadInputError, DestinationExistsError, NotResumableError
 from .fingerprint import Fingerprint
@@ -494,8 +496,19 @@ class Staging:
         if self.root.is_dir() and not self.root.is_symlink():
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def commit(self) -> None:
-        """Rename the finished staging directory to DST (module docstring, step 4)."""
+    def commit(self) -> bool:
+        """Rename the finished staging directory to DST (module docstring, step 4). Ctrl-C and
+        SIGTERM wait until it is done: between the journal's removal and the rename, an interrupt
+        would leave finished shards that no journal lists. Returns whether one arrived meanwhile
+        (it is then not raised: the conversion is complete)."""
+        with _signals_held() as held:
+            self._commit()
+        if held:
+            self.notify(f"{_SIGNAL_NAMES.get(held[0], held[0])} arrived while {self.paths.dst} was being renamed into "
+                        "place; the conversion had finished, so it is complete")
+        return bool(held)
+
+    def _commit(self) -> None:
         self.close()
         os.unlink(self.root / JOURNAL_NAME)
         fsync_dir(self.root)
@@ -511,6 +524,28 @@ class Staging:
         else:
             os.rename(self.root, dst)
         fsync_dir(dst.parent)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM recorded, not acted on, inside the block (on the main thread, where
+    Python runs signal handlers; elsewhere this changes nothing). Only handlers that are Python
+    functions are replaced (Ctrl-C's KeyboardInterrupt, the CLI's SIGTERM handler); an ignored
+    or default signal stays as it is."""
+    held: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if callable(signal.getsignal(sig)):
+                previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def plan_digest(planned: dict[str, str]) -> str:

@@ -287,6 +287,40 @@ def test_ctrl_c_at_random_points_never_hangs(src: Path, ref: Path, shard_bytes: 
         resume_and_check(src, dst, ref, monkeypatch)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_during_the_final_rename_waits_for_it(src: Path, ref: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, sig: int) -> None:
+    """Ctrl-C (or SIGTERM through the CLI's handler) between the journal's removal and the
+    staging directory's rename: the rename still happens, and the conversion is complete
+    (interrupted there, finished shards were left with no journal to list them)."""
+    from atom_convert import staging as staging_mod
+
+    real_fsync_dir = staging_mod.fsync_dir
+    sent: list[int] = []
+
+    def fsync_dir(path: Path) -> None:
+        if not sent and path.name.endswith(".atom-partial") and not (path / staging_mod.JOURNAL_NAME).exists():
+            sent.append(sig)
+            os.kill(os.getpid(), sig)  # handled at the next bytecode: inside the commit
+        real_fsync_dir(path)
+
+    def on_term(signum: int, frame: Any) -> None:  # as the CLI's handler does (cli._signals_interrupt)
+        raise Interrupted(signum)
+
+    monkeypatch.setattr(staging_mod, "fsync_dir", fsync_dir)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    notes: list[str] = []
+    try:
+        dst = tmp_path / "dst"
+        atom_convert.convert(src, dst, tp=2, shard_size="200KB", workers=2, notify=notes.append)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sent == [sig]
+    assert_same_conversion(dst, ref)
+    assert beside(dst) == [], beside(dst)
+    assert any("arrived while" in n and "complete" in n for n in notes), notes
+
+
 @pytest.mark.parametrize("workers", [1, 2], ids=["thread", "processes"])
 def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  workers: int) -> None:
