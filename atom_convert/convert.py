@@ -254,18 +254,23 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
     writer = ShardSetWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), staging.journal, kept,
                             on_bytes=progress, stop=stop, fault=fault)
     progress(writer.kept_bytes)
-    groups = job.layout.plan.groups
-    group_index = {id(g): i for i, g in enumerate(groups)}
-    ahead = Prefetcher(src, groups, tp) if hasattr(os, "posix_fadvise") else None
+    work = job.work
+    index = {id(item): i for i, item in enumerate(work)}
+
+    def needs(i: int) -> Iterator[str]:
+        """The source tensors item i reads (prefetch.py reads them before it starts)."""
+        for out, _, rank, part in _item_outputs(work[i], plan, writer):
+            yield from out.sources_of_units(rank, part)
+
+    ahead = Prefetcher(src, len(work), needs) if hasattr(os, "posix_fadvise") else None
     budget = workers_mod.Budget(max_memory, stop)
 
     def reached(item: workers_mod.Item) -> None:
-        """The readahead may go on to the item's group; the item waits for its share of it."""
+        """The readahead may go on past the item; the item waits for its own bytes."""
         if ahead is not None:
-            i = group_index[id(item.group)]
+            i = index[id(item)]
             ahead.reached(i)
-            units = max((o.units for o in item.group.outputs), default=0)
-            ahead.wait_read(i, item.part[1] / units if item.part is not None and units else 1.0)
+            ahead.wait_read(i)
 
     # Threads draw output chunks from one pool of reused buffers (buffers.py; each worker process
     # has its own); the free ones it keeps stay within what the workers' working sets may hold.
@@ -479,10 +484,9 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
     tmp = staging.root
     total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common]
                 for s in r)
-    parts = workers_mod.parts_per_group(workers, plan.tp)
-    sets = {"main": _SetWork(main, "", workers_mod.items(main.plan.groups, plan.tp, parts))}
+    sets = {"main": _SetWork(main, "", workers_mod.items(main.plan.groups, plan.tp, workers))}
     if mtp_layout is not None:
-        sets["mtp"] = _SetWork(mtp_layout, MTP_DIR, workers_mod.items(mtp_layout.plan.groups, plan.tp, parts))
+        sets["mtp"] = _SetWork(mtp_layout, MTP_DIR, workers_mod.items(mtp_layout.plan.groups, plan.tp, workers))
     stop: Any = threading.Event()
     pool: procs.WorkerProcesses | None = None
     bar: tqdm | None = None

@@ -38,10 +38,20 @@ class OutTensor:
     # a range of: produce(rank, cache, part=(a, b)) yields the bytes of units [a, b) only. Workers
     # then split one layer's experts over several items (workers.py).
     units: int = 0
+    # With units: the source tensors of unit u of rank r's copy (unit_sources(r, u)), so that the
+    # readahead reads an item's range of experts, not every source of the tensor (prefetch.py).
+    unit_sources: Callable[[int, int], tuple[str, ...]] | None = None
 
     def sources_of(self, rank: int) -> tuple[str, ...]:
         """The source tensors rank `rank`'s copy is made from."""
         return self.rank_sources[rank] if self.rank_sources is not None else self.sources
+
+    def sources_of_units(self, rank: int, part: tuple[int, int] | None) -> tuple[str, ...]:
+        """The source tensors units [a, b) of rank `rank`'s copy are made from (all of its
+        sources where the tensor has no units or does not say)."""
+        if part is None or self.unit_sources is None:
+            return self.sources_of(rank)
+        return tuple(n for u in range(*part) for n in self.unit_sources(rank, u))
 
     @property
     def identical_on_every_rank(self) -> bool:

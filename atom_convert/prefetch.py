@@ -1,4 +1,4 @@
-"""Read the source ahead of the workers, in file order, so that the disk streams.
+"""Read the source ahead of the workers, in the order the workers need it, so that the disk streams.
 
 Why: the workers read the source through memory mappings, a slice of an expert at
 a time, from several threads at once. On a cold page cache each first touch is a
@@ -7,57 +7,83 @@ turn one sequential read into scattered small ones: on the device machine a cold
 conversion took 24.5 s where the same conversion from the page cache took 13.8 s
 and a plain copy 18.8 s (BENCHMARKS.md, issue 9).
 
-How it works: one thread walks the source byte ranges of each group (a decoder
-layer: every rank's sources), merged and sorted by file and offset, and asks the
-kernel to read them (`posix_fadvise(WILLNEED)`, in steps of `STEP` bytes). After
-issuing a step it reads one byte at the end of the step before, which waits for
-that step's pages: at most two steps are in flight, the walk goes at the disk's
-pace, and nothing is copied into this process. It stays at most one group ahead
-of the newest group a worker has started (`reached`), so the page cache holds the
-current and the next layer, not the model. Correctness never depends on it: a page
-not yet read is faulted in by the worker as before.
+How it works: one thread walks the items in the order they are handed out (workers.py)
+and reads each item's source tensors that no earlier item read (`needs(i)`), merged into
+byte ranges in file order, `STEP` bytes at a time. Item order, not file order: the
+safetensors library stores tensors by dtype, then by name, so expert 100 comes before
+expert 2 in a file, and an item of the first experts would otherwise wait for most of the
+layer. Under MoE tensor parallel, the items of one range of experts for every rank read the
+same tensors: the first reads them, the others find nothing left to read.
 
-Items wait for it (`wait_read`): an item that needs the first fraction f of its group's
-bytes (a range of experts: the experts are stored in order) starts once that much has
-been read ahead. Why: sixteen workers faulting in pages of a cold file ahead of the
-readahead turn its sequential read into scattered ones; on the device machine the
-faster gfx950 conversion was the slower one from a cold cache (BENCHMARKS.md, issue 9,
-fifth round). The wait is bounded (GATE_TIMEOUT_S) and ends when the thread stops, so a
-slow or failed readahead costs time, never correctness.
+A step is read by populating a mapping of it (`populate`): the thread waits while the
+kernel's fault readahead streams the step in, and nothing is copied into this process.
+Where the kernel lacks MADV_POPULATE_READ (before Linux 5.14) it asks for the step with
+posix_fadvise(WILLNEED) and waits on one byte of the step before.
+
+Items wait for it (`wait_read(i)`): item i starts once its bytes are read, so that sixteen
+workers do not fault in pages of a cold file ahead of the readahead (on the device machine
+the faster gfx950 conversion was then the slower one from a cold cache, BENCHMARKS.md,
+issue 9, fifth round). The wait is bounded (GATE_TIMEOUT_S) and ends when the thread stops,
+so a slow or failed readahead costs time, never correctness: a page not yet read is faulted
+in by the worker.
+
+How far ahead: at most `ahead` bytes beyond the newest item a worker has started
+(`reached`), so that the page cache holds the items in progress and the next ones, not the
+model, and read-ahead pages are not evicted before their item uses them.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from .plan import Group
+from .workers import available_memory
 
 if TYPE_CHECKING:
     from .source import SourceCheckpoint
 
 log = logging.getLogger(__name__)
 
-STEP = 32 << 20  # bytes per readahead request
+STEP = 32 << 20  # bytes per read request
 _MERGE_GAP = 1 << 20  # ranges closer than this are read as one (the gap is read too)
-GATE = True  # items wait for their share of the readahead (wait_read); False: they do not (benches)
+GATE = True  # items wait for their bytes (wait_read); False: they do not (benches)
 GATE_TIMEOUT_S = 60.0
+# Populate (below) rather than posix_fadvise(WILLNEED): on the 2-core box's virtio disk the
+# advice, paced by a one-byte read, read a cold 4 GB file at 0.39-0.52 GB/s, populating at
+# 1.05-1.21 GB/s, dd at 0.81 (BENCHMARKS.md, issue 9, eighth round).
+POPULATE = True  # False: the fadvise path (benches)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform.startswith("linux") else None
+AHEAD_MIN, AHEAD_MAX = 2 << 30, 16 << 30
 
 
-def group_ranges(source: "SourceCheckpoint", group: Group, tp: int) -> list[tuple[str, int, int]]:
-    """The data byte ranges (file, begin, end; relative to the file's data section) the group's
-    outputs read for every rank, merged, in file order."""
-    names: dict[str, None] = {}
-    for out in group.outputs:
-        for r in range(tp):
-            for n in out.sources_of(r):
-                if n in source:
-                    names.setdefault(n, None)
-    spans = sorted((source.info(n).file, source.info(n).begin, source.info(n).begin + source.info(n).nbytes)
-                   for n in names)
+def default_ahead() -> int:
+    """Bytes read beyond the newest started item: an eighth of the memory available now, within
+    [AHEAD_MIN, AHEAD_MAX] (the page cache also holds the output until it is hashed)."""
+    return min(AHEAD_MAX, max(AHEAD_MIN, available_memory() // 8))
+
+
+def populate(fd: int, off: int, n: int) -> None:
+    """Bring bytes [off, off + n) of the file into the page cache; returns when they are there.
+    A page beyond the end of the file fails with EFAULT (the kernel refuses to populate it
+    rather than raise SIGBUS)."""
+    lo = off - off % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, off + n - lo, prot=mmap.PROT_READ, offset=lo)
+    try:
+        m.madvise(_MADV_POPULATE_READ)  # type: ignore[arg-type]
+    finally:
+        m.close()
+
+
+def byte_ranges(source: "SourceCheckpoint", names: Iterable[str]) -> list[tuple[str, int, int]]:
+    """The data byte ranges (file, begin, end; relative to the file's data section) of these
+    source tensors, merged when closer than _MERGE_GAP, in file order."""
+    spans = sorted((i.file, i.begin, i.begin + i.nbytes) for i in (source.info(n) for n in names))
     merged: list[tuple[str, int, int]] = []
     for f, a, b in spans:
         if merged and merged[-1][0] == f and a <= merged[-1][2] + _MERGE_GAP:
@@ -68,20 +94,25 @@ def group_ranges(source: "SourceCheckpoint", group: Group, tp: int) -> list[tupl
 
 
 class Prefetcher:
-    """The readahead thread of one converted set. `reached(i)`: a worker started an item of group
-    `i` (groups in the order the workers take them); `close()` stops it (bounded wait)."""
+    """The readahead thread of one converted set, over `count` items in the order they are handed
+    out; `needs(i)`: the source tensor names item i reads. `reached(i)`: a worker started item i;
+    `wait_read(i)`: block until its bytes are read; `close()` stops the thread (bounded wait)."""
 
-    def __init__(self, source: "SourceCheckpoint", groups: list[Group], tp: int):
+    def __init__(self, source: "SourceCheckpoint", count: int, needs: Callable[[int], Iterable[str]],
+                 ahead: int | None = None):
         self._source = source
-        self._groups = groups
-        self._tp = tp
+        self._count = count
+        self._needs = needs
+        self._ahead = default_ahead() if ahead is None else ahead
         self._newest = -1
         self._cond = threading.Condition()
         self._stop = False
         self._ended = False  # the thread has returned (done, stopped, or an error)
-        self._total: dict[int, int] = {}  # group -> bytes it reads ahead
-        self._read: dict[int, int] = {}  # group -> bytes read so far
+        self._done = -1  # items [0, _done] are read
+        self._bytes = 0  # bytes read so far
+        self._bytes_after: dict[int, int] = {}  # item -> _bytes once it was read
         self._fds: dict[str, int] = {}
+        self._populate = POPULATE and _MADV_POPULATE_READ is not None
         self._thread = threading.Thread(target=self._run, name="atom-convert-prefetch", daemon=True)
         self._thread.start()
 
@@ -91,26 +122,18 @@ class Prefetcher:
                 self._newest = index
                 self._cond.notify_all()
 
-    def wait_read(self, index: int, fraction: float) -> None:
-        """Block until `fraction` of group `index`'s bytes have been read ahead (module docstring);
-        at most GATE_TIMEOUT_S, and not at all once the thread has ended."""
+    def wait_read(self, index: int) -> None:
+        """Block until item `index`'s bytes are read (module docstring); at most GATE_TIMEOUT_S,
+        and not at all once the thread has ended."""
         if not GATE:
             return
         deadline = time.monotonic() + GATE_TIMEOUT_S
         with self._cond:
-            while not (self._stop or self._ended):
-                total = self._total.get(index)
-                if total is not None and self._read.get(index, 0) >= fraction * total:
-                    return
+            while not (self._stop or self._ended) and self._done < index:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 self._cond.wait(min(left, 0.5))
-
-    def _confirm(self, index: int, n: int) -> None:
-        with self._cond:
-            self._read[index] = self._read.get(index, 0) + n
-            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -122,11 +145,17 @@ class Prefetcher:
                 os.close(fd)
             self._fds.clear()
 
+    def _ahead_of_newest(self) -> int:
+        """Bytes read for items after the newest started one (under the lock)."""
+        if self._newest >= self._done:
+            return 0
+        return self._bytes - self._bytes_after.get(self._newest, 0)
+
     def _wait_for(self, index: int) -> bool:
-        """Block until group `index` may be read ahead (the newest started group is at most one
-        before it); False when stopped."""
+        """Block until item `index` may be read: the workers have reached it, or what is read
+        beyond the newest started item is under `ahead`; False when stopped."""
         with self._cond:
-            while not self._stop and self._newest < index - 1:
+            while not self._stop and self._newest < index and self._ahead_of_newest() >= self._ahead:
                 self._cond.wait(0.5)
             return not self._stop
 
@@ -137,30 +166,47 @@ class Prefetcher:
             fd = self._fds[file] = os.open(self._source.path / file, os.O_RDONLY)
         return fd, m.data_start
 
+    def _read(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Read these ranges into the page cache, a step at a time; returns once they are in."""
+        pending: tuple[int, int] | None = None  # (fd, last byte) of the advised step in flight
+        for file, a, b in ranges:
+            fd, start = self._fd(file)
+            for off in range(start + a, start + b, STEP):
+                if self._stop:
+                    return
+                n = min(STEP, start + b - off)
+                if self._populate:
+                    try:
+                        populate(fd, off, n)
+                        continue
+                    except OSError as e:
+                        if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                            raise
+                        self._populate = False  # a kernel before 5.14: the advice below
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+                if pending is not None:
+                    os.pread(pending[0], 1, pending[1])  # wait for the step before
+                pending = (fd, off + n - 1)
+        if pending is not None:
+            os.pread(pending[0], 1, pending[1])
+
     def _run(self) -> None:
         try:
-            for i, g in enumerate(self._groups):
+            seen: set[str] = set()
+            for i in range(self._count):
                 if not self._wait_for(i):
                     return
-                ranges = group_ranges(self._source, g, self._tp)
+                names = [n for n in dict.fromkeys(self._needs(i)) if n not in seen and n in self._source]
+                seen.update(names)
+                ranges = byte_ranges(self._source, names)
+                self._read(ranges)
+                if self._stop:
+                    return
                 with self._cond:
-                    self._total[i] = sum(b - a for _, a, b in ranges)
+                    self._bytes += sum(b - a for _, a, b in ranges)
+                    self._bytes_after[i] = self._bytes
+                    self._done = i
                     self._cond.notify_all()
-                pending: tuple[int, int, int] | None = None  # (fd, last byte, bytes) of the step in flight
-                for file, a, b in ranges:
-                    fd, start = self._fd(file)
-                    for off in range(start + a, start + b, STEP):
-                        if self._stop:
-                            return
-                        n = min(STEP, start + b - off)
-                        os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-                        if pending is not None:
-                            os.pread(pending[0], 1, pending[1])  # wait for the step before
-                            self._confirm(i, pending[2])
-                        pending = (fd, off + n - 1, n)
-                if pending is not None:  # the group's last step, for the items waiting on it
-                    os.pread(pending[0], 1, pending[1])
-                    self._confirm(i, pending[2])
         except Exception as e:  # noqa: BLE001  an optimisation only: the workers read what is missing
             log.debug("prefetch stopped: %s", e)
         finally:

@@ -4,7 +4,8 @@ How it works:
 1. A converted set is cut into items, one per (group, rank): a decoder layer's
    tensors for one rank; with several workers, a layer's experts are further cut
    into contiguous ranges, one item each (`parts_per_group`), so that the cores
-   find work inside one layer. Items are handed out in load order (group-major,
+   find work inside one layer and the first items of a layer need not wait for all of
+   its source to be read. Items are handed out in load order (group-major,
    so at tp=8 sixteen workers hold one or two layers, not sixteen), each to the
    next free worker: a forked worker process (procs.py, the default with several
    workers) or a thread of this process (`run_items`; the GIL and the shared
@@ -95,26 +96,43 @@ class Item:
         return self.part[0] == 0, None
 
 
-def parts_per_group(workers: int, tp: int) -> int:
+# Source bytes one range of a layer's experts (all ranks' items of that range) reads, at most.
+# Why: the readahead (prefetch.py) reads the source in item order and an item starts once its
+# own source bytes are in, so the first range of a layer waits for its bytes alone; one range
+# per rank made every item of the layer wait for the whole layer (11.5 GB at DeepSeek-V3 width),
+# the cores idle meanwhile (BENCHMARKS.md, issue 9, eighth round).
+PART_SOURCE_BYTES = 1 << 30
+
+
+def parts_per_group(workers: int, tp: int, unit_bytes: int = 0) -> int:
     """How many items a rank's experts of one layer are cut into: enough that `workers` threads
     find work inside one layer (DeepSeek-V3 at tp=8 has 8 (layer, rank) items per layer, and a
-    2-layer checkpoint only one MoE layer), and one item per rank and layer with one worker."""
-    return max(1, -(-2 * workers // tp)) if workers > 1 else 1
+    2-layer checkpoint only one MoE layer), and that one range of every rank reads at most
+    about PART_SOURCE_BYTES of source. `unit_bytes`: one rank's bytes of the group's expert
+    outputs; every rank reads a slice of the same experts (MoE-TP) or its own experts (EP):
+    tp times that is the layer's expert source, near enough (fp8 and MXFP4 stay as stored)."""
+    by_workers = -(-2 * workers // tp) if workers > 1 else 1
+    by_bytes = -(-tp * unit_bytes // PART_SOURCE_BYTES)
+    return max(1, by_workers, by_bytes)
 
 
-def items(groups: list[Group], tp: int, parts: int = 1) -> list[Item]:
+def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = None) -> list[Item]:
     """Every (group, rank), group-major: the order the files are laid out in; a group with
-    experts is cut into up to `parts` items per rank, by contiguous expert ranges, handed out
+    experts is cut into `parts_per_group` items per rank, by contiguous expert ranges, handed out
     range-major (range 0 of every rank, then range 1, ...). Why range-major: under MoE tensor
     parallel every rank reads a slice of every expert, so the ranks working at once then read the
     same experts (one range's source pages in the page cache, not the layer's, read in the order
     the readahead brings them), and each rank's shard fills from its start, so its hashing thread
-    follows the conversion instead of hashing most of the layer after the last range."""
+    follows the conversion instead of hashing most of the layer after the last range.
+    `parts`: that many ranges per group instead (tests)."""
     out = []
     for g in groups:
         cost = working_set(g.outputs)
         units = max((o.units for o in g.outputs), default=0)
-        n = min(parts, units) if units else 1
+        if not units:
+            n = 1
+        else:
+            n = min(parts or parts_per_group(workers, tp, sum(o.nbytes for o in g.outputs if o.units)), units)
         if n == 1:
             out.extend(Item(g, r, cost) for r in range(tp))
             continue

@@ -46,9 +46,9 @@ def test_trace_convert_records_every_item_and_shard(tiny_checkpoint: Callable[..
                 "--json", str(out))
     rec = json.loads(out.read_text())
     plan = make_plan(SourceCheckpoint(src), tp=2)
-    expected = workers.items(plan.main.groups, 2, workers.parts_per_group(3, 2))
+    expected = workers.items(plan.main.groups, 2, 3)
     if plan.mtp is not None:
-        expected += workers.items(plan.mtp.groups, 2, workers.parts_per_group(3, 2))
+        expected += workers.items(plan.mtp.groups, 2, 3)
     assert sorted((i["group"], i["rank"], i["part"] and tuple(i["part"])) for i in rec["items"]) == \
         sorted((i.group.key, i.rank, i.part) for i in expected)
     assert not (tmp_path / "dst").exists()  # the output is removed

@@ -147,8 +147,8 @@ def test_output_identical_for_any_order_of_completion(sources: Callable[..., Pat
     rng = random.Random(random.SystemRandom().randrange(1 << 30))
     real_items, real_write = wk.items, ShardSetWriter._write
 
-    def shuffled(groups: Any, tp: int, parts: int = 1) -> list[wk.Item]:
-        work = real_items(groups, tp, 3)
+    def shuffled(groups: Any, tp: int, workers: int = 1, parts: int | None = None) -> list[wk.Item]:
+        work = real_items(groups, tp, parts=3)
         assert any(i.part is not None and i.part[0] > 0 for i in work)  # the experts really are cut
         rng.shuffle(work)
         return work
@@ -205,8 +205,8 @@ def test_budget_bounds_the_working_set(tiny_checkpoint: Callable[..., Path], tmp
     plan_items = []
     real_items = wk.items
 
-    def seen(groups: Any, tp: int, parts: int = 1) -> list[wk.Item]:
-        work = real_items(groups, tp, parts)
+    def seen(groups: Any, tp: int, workers: int = 1, parts: int | None = None) -> list[wk.Item]:
+        work = real_items(groups, tp, workers, parts)
         plan_items.extend(work)
         return work
 

@@ -377,6 +377,13 @@ def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCod
     yield torch.stack(scales) if stacked else torch.cat(scales, 0)
 
 
+def _unit_sources(mods: list[tuple[str, str, str]], codec: LinearCodec, slots: list[list[int]] | None, rank: int,
+                  unit: int) -> tuple[str, ...]:
+    """The source tensors of the rank's local expert `unit` (its gate, up and down projections)."""
+    trio = mods[unit] if slots is None else mods[slots[rank][unit]]
+    return tuple(x for m in trio for x in codec.source_names(m))
+
+
 def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: bool) -> list[OutTensor]:
     s, tp = ctx.spec, ctx.par.moe_tp
     mods = _expert_modules(ctx, src_prefix, fused_shared)
@@ -414,6 +421,7 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
                  partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources)
         w.chunk_bytes = w.nbytes // max(1, w.shape[0])  # one expert at a time
         w.units = n_local
+        w.unit_sources = partial(_unit_sources, mods, codec, slots)
         outs.append(w)
         sspec = specs.get(f"{which}_weight_scale")
         if sspec is not None:
@@ -421,6 +429,7 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
                              partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3,
                                      slots=slots), split, rank_sources))
             outs[-1].units = n_local
+            outs[-1].unit_sources = w.unit_sources
     return outs
 
 
