@@ -34,6 +34,7 @@ model, and read-ahead pages are not evicted before their item uses them.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -41,7 +42,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .workers import available_memory
 
@@ -68,16 +69,44 @@ def default_ahead() -> int:
     return min(AHEAD_MAX, max(AHEAD_MIN, available_memory() // 8))
 
 
+def _libc_calls() -> Any:
+    """libc's mmap, madvise and munmap through ctypes, which releases the GIL around each call:
+    a populate waits for the disk, and Python's own mmap.madvise holds the GIL meanwhile, which
+    would stall the hashing threads and the dispatch of this process. None where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int64]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc if ctypes.sizeof(ctypes.c_void_p) == 8 else None  # off_t is 64-bit there
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc_calls() if _MADV_POPULATE_READ is not None else None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 def populate(fd: int, off: int, n: int) -> None:
     """Bring bytes [off, off + n) of the file into the page cache; returns when they are there.
     A page beyond the end of the file fails with EFAULT (the kernel refuses to populate it
-    rather than raise SIGBUS)."""
+    rather than raise SIGBUS); OSError(ENOSYS) where libc cannot be called."""
+    if _LIBC is None:
+        raise OSError(errno.ENOSYS, "mmap/madvise through libc are not available")
     lo = off - off % mmap.ALLOCATIONGRANULARITY
-    m = mmap.mmap(fd, off + n - lo, prot=mmap.PROT_READ, offset=lo)
+    length = off + n - lo
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr is None or addr == _MAP_FAILED:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap: {os.strerror(e)}")
     try:
-        m.madvise(_MADV_POPULATE_READ)  # type: ignore[arg-type]
+        if _LIBC.madvise(addr, length, _MADV_POPULATE_READ) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"madvise(MADV_POPULATE_READ): {os.strerror(e)}")
     finally:
-        m.close()
+        _LIBC.munmap(addr, length)
 
 
 def byte_ranges(source: "SourceCheckpoint", names: Iterable[str]) -> list[tuple[str, int, int]]:

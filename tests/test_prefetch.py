@@ -61,6 +61,29 @@ def test_byte_ranges_cover_every_tensor_merged_in_file_order(source: SourceCheck
         assert sum(f == i.file and a <= i.begin and i.begin + i.nbytes <= b for f, a, b in ranges) == 1, n
 
 
+def test_populate_reads_mapped_bytes_and_refuses_past_the_end_without_sigbus(tmp_path: Path) -> None:
+    """populate maps, populates and unmaps a range of any alignment; a range past the end of the
+    file is an OSError (EFAULT), never a SIGBUS that would kill the conversion."""
+    if prefetch._LIBC is None:
+        pytest.skip("no MADV_POPULATE_READ through libc on this platform")
+    f = tmp_path / "data"
+    f.write_bytes(os.urandom(3 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        try:
+            prefetch.populate(fd, 12_345, 2 << 20)  # unaligned start and length
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                pytest.skip("a kernel before 5.14: no MADV_POPULATE_READ")
+            raise
+        prefetch.populate(fd, 0, 3 << 20)  # the whole file
+        with pytest.raises(OSError) as e:
+            prefetch.populate(fd, (3 << 20) - 10, 8192)
+        assert e.value.errno == errno.EFAULT
+    finally:
+        os.close(fd)
+
+
 def test_items_read_in_order_each_tensor_once_and_wait_read_waits_for_its_bytes(
         source: SourceCheckpoint, slow_disk: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefetch, "_MERGE_GAP", 0)
