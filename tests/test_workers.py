@@ -292,8 +292,15 @@ def test_working_set_estimate() -> None:
     cost = wk.working_set([stack, small])
     assert cost == wk.CHUNKS_PER_WORKER * 4096 * 7168 + wk._MIN_ITEM
     assert [i.rank for i in wk.items([Group("g", [stack, small])], 3)] == [0, 1, 2]
+    # ranges per layer: enough for the workers, and about PART_SOURCE_BYTES of source per range
+    assert wk.parts_per_group(1, 8) == 1 and wk.parts_per_group(16, 8) == 4 and wk.parts_per_group(3, 2) == 3
+    assert wk.parts_per_group(1, 8, wk.PART_SOURCE_BYTES) == 8  # 8 ranks' slices of the same experts
+    assert wk.parts_per_group(2, 1, 5 * wk.PART_SOURCE_BYTES + 1) == 6
     # cut into ranges: range-major, each range for every rank before the next (workers.items)
     stack.units = 257
+    one = [i.part for i in wk.items([Group("g", [stack, small])], 1, workers=1)]  # 7.6 GB of experts, tp=1
+    assert len(one) == -(-stack.nbytes // wk.PART_SOURCE_BYTES) == 8
+    assert one[0][0] == 0 and one[-1][1] == 257 and all(a[1] == b[0] for a, b in zip(one, one[1:]))
     cut = wk.items([Group("g", [stack, small])], 3, parts=2)
     assert [(i.part, i.rank) for i in cut] == [((0, 128), 0), ((0, 128), 1), ((0, 128), 2),
                                                ((128, 257), 0), ((128, 257), 1), ((128, 257), 2)]
