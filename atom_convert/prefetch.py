@@ -141,7 +141,7 @@ class Prefetcher:
         self._bytes = 0  # bytes read so far
         self._bytes_after: dict[int, int] = {}  # item -> _bytes once it was read
         self._fds: dict[str, int] = {}
-        self._populate = POPULATE and _MADV_POPULATE_READ is not None
+        self._populate = POPULATE and _LIBC is not None
         self._thread = threading.Thread(target=self._run, name="atom-convert-prefetch", daemon=True)
         self._thread.start()
 

@@ -496,17 +496,16 @@ class Staging:
         if self.root.is_dir() and not self.root.is_symlink():
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def commit(self) -> bool:
+    def commit(self) -> None:
         """Rename the finished staging directory to DST (module docstring, step 4). Ctrl-C and
         SIGTERM wait until it is done: between the journal's removal and the rename, an interrupt
-        would leave finished shards that no journal lists. Returns whether one arrived meanwhile
-        (it is then not raised: the conversion is complete)."""
+        would leave finished shards that no journal lists. One that arrived meanwhile is noted,
+        not raised: the conversion is complete."""
         with _signals_held() as held:
             self._commit()
         if held:
             self.notify(f"{_SIGNAL_NAMES.get(held[0], held[0])} arrived while {self.paths.dst} was being renamed into "
                         "place; the conversion had finished, so it is complete")
-        return bool(held)
 
     def _commit(self) -> None:
         self.close()

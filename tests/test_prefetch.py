@@ -5,6 +5,7 @@ far ahead it goes, the wait that holds an item until its bytes are read, and tha
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from atom_convert import prefetch
 from atom_convert.prefetch import Prefetcher, byte_ranges
 from atom_convert.source import SourceCheckpoint
 
-convert_mod = __import__("atom_convert.convert", fromlist=["_convert_item"])
+convert_mod = importlib.import_module("atom_convert.convert")  # the package attribute is the function
 
 PRESET = "tiny-deepseek-v3"
 
