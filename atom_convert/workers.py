@@ -223,17 +223,20 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
 
     threads = [threading.Thread(target=worker, name=f"atom-convert-worker-{i}", daemon=True)
                for i in range(min(workers, max(1, len(work))))]
-    for t in threads:
-        t.start()
+    started: list[threading.Thread] = []
     try:
+        for t in threads:
+            t.start()
+            started.append(t)
         for t in threads:
             t.join()
     except BaseException:  # Ctrl-C reaches the main thread only: stop the workers, then leave
         stop.set()
         # Bounded: a worker whose write is stuck for ever (a dead network filesystem) must not
         # hold Ctrl-C; the threads are daemons and the writer's abort removes what they left.
+        # Only the started ones: joining a thread whose start() the signal cut short raises.
         deadline = time.monotonic() + 10.0
-        for t in threads:
+        for t in started:
             t.join(max(0.0, deadline - time.monotonic()))
         raise
     if errors:

@@ -466,9 +466,13 @@ class ShardSetWriter:
                 sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
                                self.fault)
                 self._open[plan.file] = sh
-                sh.thread = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}",
-                                             daemon=True)
-                sh.thread.start()
+                t = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
+                t.start()
+                # Set once started: a Ctrl-C or SIGTERM raised in this thread before start() returned
+                # leaves sh.thread None, and abort() must not join a thread not (yet) started
+                # (RuntimeError). A thread that did start sees sh.aborted and returns: it has
+                # nothing to hash, the header is written below.
+                sh.thread = t
                 self._write(sh, _Piece(0, header))
         return sh
 

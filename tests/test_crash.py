@@ -321,6 +321,38 @@ def test_a_signal_during_the_final_rename_waits_for_it(src: Path, ref: Path, tmp
     assert any("arrived while" in n and "complete" in n for n in notes), notes
 
 
+@pytest.mark.parametrize("launched", [False, True], ids=["before-the-thread-runs", "after"])
+@pytest.mark.parametrize("kind", ["hash", "worker"])
+def test_ctrl_c_inside_a_thread_start_stops_cleanly(src: Path, ref: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, kind: str, launched: bool) -> None:
+    """Ctrl-C (or SIGTERM through the CLI's handler) can land inside Thread.start(): before the
+    thread runs, or after it runs but before start() returns. The conversion then stops as from
+    anywhere else, resumable, instead of an internal error from joining a thread that never
+    started (seen once in the random SIGTERM test: "cannot join thread before it is started")."""
+    real_start = threading.Thread.start
+    prefix = {"hash": "atom-convert-hash-", "worker": "atom-convert-worker-"}[kind]
+    seen: list[str] = []
+
+    def start(t: threading.Thread) -> None:
+        if t.name.startswith(prefix):
+            seen.append(t.name)
+            if len(seen) == 3:  # some shards or workers are running by then
+                if launched:
+                    real_start(t)
+                raise KeyboardInterrupt
+        real_start(t)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    dst = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        # threads for the workers, so that both kinds are started in this process
+        atom_convert.convert(src, dst, tp=2, shard_size="200KB", workers=4, worker_mode="thread")
+    monkeypatch.undo()
+    assert len(seen) >= 3, seen
+    check_stopped_state(dst)
+    resume_and_check(src, dst, ref, monkeypatch)
+
+
 @pytest.mark.parametrize("workers", [1, 2], ids=["thread", "processes"])
 def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  workers: int) -> None:
