@@ -4,7 +4,8 @@ How it works:
 1. A converted set is cut into items, one per (group, rank): a decoder layer's
    tensors for one rank; a layer's experts are further cut into contiguous ranges,
    one item each (`parts_per_group`), so that the cores find work inside one layer
-   and the first items of a layer need not wait for all of its source to be read. Items are handed out in load order (group-major,
+   and the first items of a layer need not wait for all of its source to be read.
+   Items are handed out in load order (group-major,
    so at tp=8 sixteen workers hold one or two layers, not sixteen), each to the
    next free worker: a forked worker process (procs.py, the default with several
    workers) or a thread of this process (`run_items`; the GIL and the shared
