@@ -24,10 +24,12 @@ not 16-byte aligned is copied into its own allocation (`CPU_VIEW_ALIGN`).
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import struct
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,8 @@ from typing import Any
 import torch
 
 from .errors import BadInputError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 16  # bench_load on the H200 machine: 31 GB/s warm at 16, 25 at 8 (BENCHMARKS.md)
 PAGE = 4096
@@ -50,6 +54,9 @@ HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_
 # writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
 CPU_VIEW_ALIGN = 16
 DEFAULT_CHUNK_BYTES = 32 << 20
+# After Ctrl-C, how long the caller waits for the copy threads to finish their chunk in hand
+# before it gives up on closing the files (a chunk is one read of DEFAULT_CHUNK_BYTES).
+STOP_JOIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     next_job = iter(range(len(jobs)))
     lock = threading.Lock()
     errors: list[BaseException] = []
+    stop = threading.Event()  # set when the caller is interrupted: each thread ends after its chunk
     cudart = torch.cuda.cudart() if reader == "register" else None
 
     def fill(w: int, slot: int, path: Path, off: int, n: int) -> torch.Tensor:
@@ -269,7 +277,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             stream = torch.cuda.Stream(device)
             pending: list[Any] = [None, None]  # per buffer slot: (event, registered pointer or None)
             k = 0
-            while not errors:
+            while not errors and not stop.is_set():
                 with lock:
                     idx = next(next_job, None)
                 if idx is None:
@@ -301,6 +309,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             errors.append(e)
 
     pool = [threading.Thread(target=run, args=(w,), name=f"atom-convert-load-{w}") for w in range(threads)]
+    reading = True  # whether a thread may still read from fds and maps
     try:
         with warnings.catch_warnings():  # "register" wraps the read-only mapping; only reads are issued
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -308,12 +317,30 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 t.start()
             for t in pool:
                 t.join()
+        reading = False
+    except BaseException:
+        # Ctrl-C (or a signal handler's exception) on this thread while the threads copy. The files
+        # are closed only once no thread reads them: the number of a closed descriptor is given to
+        # the next file opened, so a late pread could copy another file's bytes into a parameter.
+        # A thread may run before its start() returned here (the interrupt can land in start()), so
+        # every live thread is waited for; one not yet alive has yet to take a chunk, and will see `stop`.
+        stop.set()
+        running = [t for t in pool if t.is_alive()]
+        deadline = time.monotonic() + STOP_JOIN_S
+        for t in running:
+            t.join(max(0.0, deadline - time.monotonic()))
+        reading = any(t.is_alive() for t in running)
+        if reading:
+            log.warning("load: %d copy thread(s) still reading %.0f s after the interrupt; their files are left "
+                        "open until the process exits", sum(t.is_alive() for t in running), STOP_JOIN_S)
+        raise
     finally:
-        for mm, arr in maps.values():
-            del arr
-        maps.clear()
-        for fd in fds.values():
-            os.close(fd)
+        if not reading:
+            for mm, arr in maps.values():
+                del arr
+            maps.clear()
+            for fd in fds.values():
+                os.close(fd)
     if errors:
         raise errors[0]
     return reader

@@ -276,3 +276,69 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
     files = _file_bytes(d, 1)
     for n, s in slots.items():
         assert torch.equal(_bytes(s.tensor), files[n]), n
+
+
+def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(converted, monkeypatch):
+    """Ctrl-C lands on the caller while a copy thread is inside a read: the caller stops the threads,
+    waits for the chunk in hand, and only then closes the files (a closed descriptor's number goes to
+    the next file opened, so a late read could copy another file's bytes into a parameter). The
+    KeyboardInterrupt reaches the caller, no thread outlives the call and no read failed."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from atom_convert import transfer
+    from atom_convert.transfer import FileRead, TensorSlot, read_header
+
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
+    monkeypatch.setattr(transfer, "_pinned", lambda count, size: [torch.empty(size, dtype=torch.uint8) for _ in range(count)])
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    view = rank_view(d, 0)
+    by_file: dict[str, list] = {}
+    for n, r in view.tensors.items():
+        by_file.setdefault(r.file, []).append(TensorSlot(n, r.dtype, r.shape))
+    reads = [FileRead(d / f, read_header(d / f), ss) for f, ss in by_file.items()]
+
+    real_preadv = os.preadv
+    inside, release, interrupted = threading.Event(), threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+    late: list[int] = []
+
+    def preadv(fd, bufs, off):
+        if interrupted.is_set():
+            late.append(off)
+        if not inside.is_set():  # the first read waits inside until Ctrl-C has landed
+            inside.set()
+            release.wait(30)
+        try:
+            return real_preadv(fd, bufs, off)
+        except BaseException as e:
+            failed.append(e)
+            raise
+
+    def ctrl_c():
+        inside.wait(30)
+        interrupted.set()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)  # the caller's handling runs while the read is still in progress
+        release.set()
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    helper = threading.Thread(target=ctrl_c)
+    helper.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            transfer._place_cuda(reads, torch.device("cpu"), threads=2, chunk_bytes=4096, reader="pread")
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("atom-convert-load-")]
+    finally:
+        release.set()
+        helper.join()
+        for t in threading.enumerate():
+            if t.name.startswith("atom-convert-load-"):
+                t.join(30)
+        signal.signal(signal.SIGINT, old_handler)
+    assert alive == [], f"copy threads still running after the interrupt: {alive}"
+    assert failed == [], f"a read failed after the files were closed under it: {failed}"
+    assert len(late) <= 2, f"{len(late)} reads started after Ctrl-C (2 threads: at most their chunk in hand)"
