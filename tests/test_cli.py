@@ -454,3 +454,55 @@ def test_mtp_layer_missing_from_the_checkpoint(tiny_checkpoint, tmp_path):
     m = atom_convert.convert(src, tmp_path / "dst")
     assert m["mtp"]["status"] == "absent" and "num_nextn_predict_layers=1" in m["mtp"]["reason"]
     assert not (tmp_path / "dst" / "mtp").exists()
+
+
+_ENTRY = """
+import atexit, sys, threading, time
+from pathlib import Path
+marks = Path(sys.argv[1])
+def late():
+    time.sleep(0.3)
+    (marks / "thread").write_text("done")
+threading.Thread(target=late).start()  # not a daemon: Python's exit waits for it
+atexit.register(lambda: (marks / "atexit").write_text("ran"))
+sys.stdout.write("buffered before the command|")
+sys.argv = ["atom-convert", *sys.argv[2:]]
+from atom_convert.cli import entry
+entry()
+raise SystemExit("unreachable: entry() returned")
+"""
+
+
+@pytest.mark.parametrize("args,code,out,err", [
+    (["--version"], 0, "version", ""),
+    (["convert", "{missing}", "{tmp}/out"], 2, "", "is not a directory"),
+    (["no-such-command"], 2, "", "No such command"),
+])
+def test_the_installed_command_ends_as_python_would(tmp_path: Path, args: list[str], code: int, out: str,
+                                                   err: str) -> None:
+    """`entry` (the console script) skips only the interpreter's teardown: the exit code is main()'s,
+    buffered output is flushed, atexit handlers run and a non-daemon thread is waited for."""
+    import subprocess
+    import sys
+
+    args = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in args]
+    r = subprocess.run([sys.executable, "-c", _ENTRY, str(tmp_path), *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == code, r.stderr
+    assert r.stdout.startswith("buffered before the command|") and out in r.stdout, r.stdout
+    assert err in r.stderr, r.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "done"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("code,status,err", [(0, 0, ""), (None, 0, ""), (3, 3, ""), (-1, 255, ""),
+                                             ("stopped: reason", 1, "stopped: reason")])
+def test_quick_exit_maps_codes_as_sys_exit_does(code: Any, status: int, err: str) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", f"from atom_convert.cli import quick_exit; quick_exit({code!r})"],
+                       capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([sys.executable, "-c", f"import sys; sys.exit({code!r})"], capture_output=True, text=True)
+    assert (r.returncode, r.stderr.strip()) == (status, err) == (plain.returncode, plain.stderr.strip())
