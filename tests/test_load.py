@@ -342,3 +342,55 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
     assert alive == [], f"copy threads still running after the interrupt: {alive}"
     assert failed == [], f"a read failed after the files were closed under it: {failed}"
     assert len(late) <= 2, f"{len(late)} reads started after Ctrl-C (2 threads: at most their chunk in hand)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_ctrl_c_on_the_gpu_then_a_full_load_is_exact(tmp_path, monkeypatch):
+    """The real GPU path (streams, events, pinned buffers): Ctrl-C lands mid-load; no copy thread
+    outlives the call; the next load, which reuses the same pinned buffers, is byte-exact."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from safetensors.torch import save_file
+
+    from atom_convert import transfer
+    from atom_convert.transfer import FileRead, TensorSlot, read_header
+
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+               for i, n in enumerate((48 << 20, 5 << 20, (17 << 20) + 3, 31 << 20))}
+    f = tmp_path / "x.safetensors"
+    save_file(tensors, f)
+
+    def reads():
+        slots = [TensorSlot(n, torch.uint8, tuple(t.shape)) for n, t in tensors.items()]
+        return [FileRead(f, read_header(f), slots)], slots
+
+    real_preadv, count = os.preadv, [0]
+
+    def slow_preadv(fd, bufs, off):  # ~100 reads of 1 MB at 4 ms each: the load lasts long enough
+        count[0] += 1
+        if count[0] == 8:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.004)
+        return real_preadv(fd, bufs, off)
+
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    try:
+        r, _ = reads()
+        with pytest.raises(KeyboardInterrupt):
+            transfer.place_cuda(r, torch.device("cuda"), threads=4, chunk_bytes=1 << 20, reader="pread")
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("atom-convert-load-")]
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+    assert alive == [], alive
+    assert count[0] < 60, f"{count[0]} reads: the threads did not stop after the interrupt"
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    r, slots = reads()
+    transfer.place_cuda(r, torch.device("cuda"), threads=4, chunk_bytes=1 << 20, reader="pread")
+    torch.cuda.synchronize()
+    for s in slots:
+        assert s.tensor.device.type == "cuda" and torch.equal(s.tensor.cpu(), tensors[s.name]), s.name
