@@ -308,8 +308,9 @@ def _pss(pid: int) -> int:
     return 0
 
 
-def tree_rss(pid: int) -> tuple[int, int]:
-    """Summed VmRSS and summed Pss of pid and all its descendants (bytes)."""
+def tree_rss(pid: int, pss: bool = True) -> tuple[int, int]:
+    """Summed VmRSS and summed Pss of pid and all its descendants (bytes); Pss 0 unless `pss`
+    (it walks every process's page tables, VmRSS reads counters)."""
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -319,13 +320,13 @@ def tree_rss(pid: int) -> tuple[int, int]:
                 kids.setdefault(ppid, []).append(int(d))
             except (OSError, ValueError, IndexError):
                 continue
-    total, pss, todo = 0, 0, [pid]
+    total, pss_sum, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         total += _proc_status(p).get("VmRSS", 0)
-        pss += _pss(p)
+        pss_sum += _pss(p) if pss else 0
         todo.extend(kids.get(p, []))
-    return total, pss
+    return total, pss_sum
 
 
 def prewarm(src: Path) -> None:
@@ -451,7 +452,7 @@ def memory_bound(src: Path, workdir: Path, opts: dict[str, Any]) -> dict[str, An
 
 
 def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_wait: float,
-              opts: dict[str, Any] | None = None) -> dict[str, Any]:
+              opts: dict[str, Any] | None = None, sampler: str = "pss") -> dict[str, Any]:
     """One run in a fresh subprocess: wall time, the child's VmHWM, a sampled RSS breakdown and
     the sampled peak of its process tree."""
     if dst.exists():
@@ -471,12 +472,13 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_
     peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0, "tree": 0, "tree_pss": 0}
     samples, sampling = 0, 0.0
     while True:
-        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        # sampler "off": no sampling while the child runs (its VmHWM at exit is still recorded)
+        pid, status, ru = os.wait4(proc.pid, 0 if sampler == "off" else os.WNOHANG)
         if pid:
             break
         s0 = time.perf_counter()
         st = _proc_status(proc.pid)
-        st["tree"], st["tree_pss"] = tree_rss(proc.pid)
+        st["tree"], st["tree_pss"] = tree_rss(proc.pid, pss=sampler == "pss")
         for k in peak:
             peak[k] = max(peak[k], st.get(k, 0))
         took = time.perf_counter() - s0
@@ -505,7 +507,7 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_
         # for reference only: Linux carries the pre-exec (forked parent's) high-water mark into it.
         "peak_rss_bytes": child["status_at_exit"]["VmHWM"],
         "wait4_ru_maxrss_bytes": ru.ru_maxrss * 1024,
-        "sampler": {"samples": samples, "seconds": sampling},
+        "sampler": {"mode": sampler, "samples": samples, "seconds": sampling},
         "sampled_peak": {"rss_anon_bytes": peak["RssAnon"], "rss_file_bytes": peak["RssFile"],
                          "vm_rss_bytes": peak["VmRSS"], "process_tree_rss_bytes": peak["tree"],
                          "process_tree_pss_bytes": peak["tree_pss"]},
@@ -526,6 +528,13 @@ def timed_run(kind: str, src: Path, dst: Path, workdir: Path, cold: bool, quiet_
 
 def fmt_gb(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
+
+
+def tree_text(peak: dict[str, Any], sampler: str) -> str:
+    """The sampled tree figures, or what was not sampled (--sampler)."""
+    rss = fmt_gb(peak["process_tree_rss_bytes"]) if sampler != "off" else "not sampled"
+    pss = fmt_gb(peak["process_tree_pss_bytes"]) if sampler == "pss" else "not sampled"
+    return f"tree RSS {rss}, tree PSS {pss}"
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -636,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-wait", type=float, default=None,
                     help="before each timed run, wait up to this many seconds for other processes to go idle "
                          "(default 120; --smoke 0); the CPU other processes used during each run is recorded either way")
+    ap.add_argument("--sampler", choices=("pss", "rss", "off"), default="pss",
+                    help="while a timed child runs, sample its process tree's RSS and PSS (pss, the default), "
+                         "its RSS alone (rss: no page-table walks), or nothing (off: only the child's VmHWM "
+                         "at exit). For warm-cache speed figures, which the sampling can slow")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--child", nargs=4, metavar=("KIND", "SRC", "DST", "REPORT"), help=argparse.SUPPRESS)
     ap.add_argument("--child-opts", default="{}", help=argparse.SUPPRESS)
@@ -687,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(kind: str, opts: dict[str, Any], warm_run: bool, pair: int | None, label: str) -> dict[str, Any]:
         dst = workdir / f"out-{kind}"
-        res = timed_run(kind, src, dst, workdir, cold and not warm_run, args.quiet_wait, opts)
+        res = timed_run(kind, src, dst, workdir, cold and not warm_run, args.quiet_wait, opts, args.sampler)
         res.update(pair=pair, config=label, warm=warm_run or not cold)
         res["package_sources_sha256"] = package_fingerprint()["sources_sha256"]
         if res["package_sources_sha256"] != package["sources_sha256"]:
@@ -696,8 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(res)
         print(f"[bench] {label:28s} {'warm' if res['warm'] else 'cold'} {kind:7s}: {res['wall_seconds']:7.1f} s wall "
               f"({res['op_seconds']:.1f} s in-process, {src_bytes / res['wall_seconds'] / 1e9:.2f} GB/s of source), "
-              f"peak RSS {fmt_gb(res['peak_rss_bytes'])} (tree RSS {fmt_gb(res['sampled_peak']['process_tree_rss_bytes'])}, "
-              f"tree PSS {fmt_gb(res['sampled_peak']['process_tree_pss_bytes'])}), "
+              f"peak RSS {fmt_gb(res['peak_rss_bytes'])} ({tree_text(res['sampled_peak'], args.sampler)}), "
               f"output {fmt_gb(res['output_bytes'])}, CPU {res['user_seconds'] + res['sys_seconds']:.0f} s "
               f"(others' user CPU {res['other_user_cpu_seconds']:.0f} s; memory sampler "
               f"{res['sampler']['seconds']:.1f} s in {res['sampler']['samples']} samples)", flush=True)
@@ -778,8 +790,9 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" (the convert call alone {c['convert_call_source_GBps']:.2f} GB/s)"
         if c.get("warm_convert_source_GBps"):
             line += f", warm convert {c['warm_convert_source_GBps']:.2f} GB/s"
-        line += (f", peak RSS {fmt_gb(c['peak_rss_bytes'])} (tree RSS {fmt_gb(c['peak_process_tree_rss_bytes'])}, "
-                 f"tree PSS {fmt_gb(c['peak_process_tree_pss_bytes'])}")
+        line += (f", peak RSS {fmt_gb(c['peak_rss_bytes'])} ("
+                 + tree_text({"process_tree_rss_bytes": c["peak_process_tree_rss_bytes"],
+                              "process_tree_pss_bytes": c["peak_process_tree_pss_bytes"]}, args.sampler))
         if c["rss_bound_bytes"]:
             line += (f", bound workers x item + 1 GB = {fmt_gb(c['rss_bound_bytes'])}: "
                      f"{'within' if c['rss_within_bound'] else 'EXCEEDED'}")
