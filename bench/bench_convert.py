@@ -649,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="while a timed child runs, sample its process tree's RSS and PSS (pss, the default), "
                          "its RSS alone (rss: no page-table walks), or nothing (off: only the child's VmHWM "
                          "at exit). For warm-cache speed figures, which the sampling can slow")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="where the timed runs write their outputs (default: --workdir), e.g. /dev/shm with "
+                         "--cache warm, so that a warm source read from its disk's page cache is not held back "
+                         "by the disk's writes (a source on tmpfs is a poor stand-in for a warm page cache: its "
+                         "mapped reads cost more CPU)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--child", nargs=4, metavar=("KIND", "SRC", "DST", "REPORT"), help=argparse.SUPPRESS)
     ap.add_argument("--child-opts", default="{}", help=argparse.SUPPRESS)
@@ -693,13 +698,20 @@ def main(argv: list[str] | None = None) -> int:
     src_bytes, src_files = tree_bytes(src)
     src_bytes -= (src / MARKER).stat().st_size
     src_files -= 1
+    out_dir = args.out_dir or workdir
+    if args.out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out_dir).free
+        if free < 1.1 * src_bytes:
+            sys.exit(f"bench_convert: --out-dir {out_dir}: {free / 1e9:.1f} GB free, but one output needs about "
+                     f"{1.1 * src_bytes / 1e9:.1f} GB (1.1x the source); free some space or pick another folder")
 
     runs: list[dict[str, Any]] = []
     configs: list[dict[str, Any]] = []
     variants = [parse_variant(v) for v in args.variant] or [("", {})]
 
     def one(kind: str, opts: dict[str, Any], warm_run: bool, pair: int | None, label: str) -> dict[str, Any]:
-        dst = workdir / f"out-{kind}"
+        dst = out_dir / f"out-{kind}"
         res = timed_run(kind, src, dst, workdir, cold and not warm_run, args.quiet_wait, opts, args.sampler)
         res.update(pair=pair, config=label, warm=warm_run or not cold)
         res["package_sources_sha256"] = package_fingerprint()["sources_sha256"]
@@ -758,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         "package": package,
         "package_changed_during_run": any(x["package_sources_sha256"] != package["sources_sha256"] for x in runs),
         "page_cache": {"cold": cold, "note": cache_note},
+        "output_dir": str(out_dir),
         "source": {"path": str(src), "bytes": src_bytes, "files": src_files, "layers": args.layers,
                    "experts": args.experts, "shared_experts": 1,
                    "vocab": args.vocab, "hidden": 7168, "heads": 128 if args.format == "fp8" else 64,
