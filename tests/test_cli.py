@@ -464,6 +464,9 @@ def late():
     time.sleep(0.3)
     (marks / "thread").write_text("done")
 threading.Thread(target=late).start()  # not a daemon: Python's exit waits for it
+import concurrent.futures
+pool = concurrent.futures.ThreadPoolExecutor(2)  # left without shutdown: its idle workers are woken at exit
+pool.submit(lambda: None).result()
 atexit.register(lambda: (marks / "atexit").write_text("ran"))
 sys.stdout.write("buffered before the command|")
 sys.argv = ["atom-convert", *sys.argv[2:]]
@@ -481,7 +484,8 @@ raise SystemExit("unreachable: entry() returned")
 def test_the_installed_command_ends_as_python_would(tmp_path: Path, args: list[str], code: int, out: str,
                                                    err: str) -> None:
     """`entry` (the console script) skips only the interpreter's teardown: the exit code is main()'s,
-    buffered output is flushed, atexit handlers run and a non-daemon thread is waited for."""
+    buffered output is flushed, atexit handlers run, a non-daemon thread is waited for and an
+    executor left open does not hang the exit."""
     import subprocess
     import sys
 

@@ -386,10 +386,17 @@ def quick_exit(code: int | str | None = 0) -> NoReturn:
     elif not isinstance(code, int):  # sys.exit("message"), as Python prints it
         print(code, file=sys.stderr)
         code = 1
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon:
-            t.join()
+    # What the interpreter's own exit does first: run threading's exit hooks (they wake idle
+    # ThreadPoolExecutor workers, which would otherwise wait forever) and wait for the non-daemon
+    # threads. `threading._shutdown` is that step; a plain join where it is missing.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+    else:  # pragma: no cover - not CPython, or not on the main thread
+        me = threading.current_thread()
+        for t in threading.enumerate():
+            if t is not me and not t.daemon:
+                t.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
