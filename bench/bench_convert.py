@@ -10,7 +10,8 @@ One run of this script:
 2. for every configuration (each --target x each --workers value, at --tp),
    times --pairs pairs of (a) a plain copy of the source files into a new folder
    (read + write + fsync per file) and (b) a conversion (`atom_convert.convert`
-   with that target, tp and workers, default shard size) into a new folder,
+   with that target, tp and workers, default shard size; the process then ends
+   as the installed command does, atom_convert.cli.quick_exit) into a new folder,
    alternating which runs first, after one untimed copy (--no-settle: none).
    Each run is a fresh subprocess. With --cache
    cold (the default) the page cache is dropped before every run (echo 3 >
