@@ -29,7 +29,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from .errors import BadInputError
+from .inflight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     next_job = iter(range(len(jobs)))
     lock = threading.Lock()
     errors: list[BaseException] = []
-    stop = threading.Event()  # set when the caller is interrupted: each thread ends after its chunk
+    inflight = InFlight()  # stopped when the caller is interrupted: each thread ends after its chunk
     cudart = torch.cuda.cudart() if reader == "register" else None
 
     def fill(w: int, slot: int, path: Path, off: int, n: int) -> torch.Tensor:
@@ -277,7 +277,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             stream = torch.cuda.Stream(device)
             pending: list[Any] = [None, None]  # per buffer slot: (event, registered pointer or None)
             k = 0
-            while not errors and not stop.is_set():
+            while not errors and not inflight.stopped:
                 with lock:
                     idx = next(next_job, None)
                 if idx is None:
@@ -303,10 +303,14 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                     cudart.cudaHostUnregister(p[1])
 
     def run(w: int) -> None:
+        if not inflight.enter():
+            return
         try:
             worker(w)
         except BaseException as e:  # reported on the caller's thread
             errors.append(e)
+        finally:
+            inflight.leave()
 
     pool = [threading.Thread(target=run, args=(w,), name=f"atom-convert-load-{w}") for w in range(threads)]
     reading = True  # whether a thread may still read from fds and maps
@@ -316,23 +320,20 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             for t in pool:
                 t.start()
             for t in pool:
-                t.join()
+                while t.is_alive():  # in steps, so that a Ctrl-C handed to another thread is noticed
+                    t.join(0.2)
         reading = False
     except BaseException:
         # Ctrl-C (or a signal handler's exception) on this thread while the threads copy. The files
         # are closed only once no thread reads them: the number of a closed descriptor is given to
         # the next file opened, so a late pread could copy another file's bytes into a parameter.
-        # A thread may run before its start() returned here (the interrupt can land in start()), so
-        # every live thread is waited for; one not yet alive has yet to take a chunk, and will see `stop`.
-        stop.set()
-        running = [t for t in pool if t.is_alive()]
-        deadline = time.monotonic() + STOP_JOIN_S
-        for t in running:
-            t.join(max(0.0, deadline - time.monotonic()))
-        reading = any(t.is_alive() for t in running)
+        # Which threads still copy is counted by the threads themselves (inflight.py says why not
+        # Thread.is_alive); a thread the interrupt kept from beginning never will.
+        still = inflight.stop_and_wait(STOP_JOIN_S)
+        reading = still > 0
         if reading:
             log.warning("load: %d copy thread(s) still reading %.0f s after the interrupt; their files are left "
-                        "open until the process exits", sum(t.is_alive() for t in running), STOP_JOIN_S)
+                        "open until the process exits", still, STOP_JOIN_S)
         raise
     finally:
         if not reading:

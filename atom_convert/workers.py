@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import BadInputError
+from .inflight import InFlight
 from .plan import Group, OutTensor
 
 # Besides the chunk being produced, a worker holds at most the chunk's source pages, one
@@ -195,7 +195,11 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
     take = threading.Lock()
     errors: list[BaseException] = []
 
+    inflight = InFlight()
+
     def worker() -> None:
+        if not inflight.enter():
+            return
         state = None
         try:
             state = worker_state()
@@ -221,24 +225,24 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
                 with take:
                     errors.append(e)
                 stop.set()
+            inflight.leave()
 
     threads = [threading.Thread(target=worker, name=f"atom-convert-worker-{i}", daemon=True)
                for i in range(min(workers, max(1, len(work))))]
-    started: list[threading.Thread] = []
     try:
         for t in threads:
             t.start()
-            started.append(t)
         for t in threads:
-            t.join()
+            # In steps: a Ctrl-C the kernel hands to another thread only sets Python's flag, and the
+            # main thread runs the handler (KeyboardInterrupt) once it wakes; an untimed join never would.
+            while t.is_alive():
+                t.join(0.2)
     except BaseException:  # Ctrl-C reaches the main thread only: stop the workers, then leave
         stop.set()
         # Bounded: a worker whose write is stuck for ever (a dead network filesystem) must not
         # hold Ctrl-C; the threads are daemons and the writer's abort removes what they left.
-        # Only the started ones: joining a thread whose start() the signal cut short raises.
-        deadline = time.monotonic() + 10.0
-        for t in started:
-            t.join(max(0.0, deadline - time.monotonic()))
+        # Counted by the workers themselves, not joined (inflight.py says why).
+        inflight.stop_and_wait(10.0)
         raise
     if errors:
         raise first_error(errors)

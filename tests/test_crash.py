@@ -353,39 +353,56 @@ def test_ctrl_c_inside_a_thread_start_stops_cleanly(src: Path, ref: Path, tmp_pa
     resume_and_check(src, dst, ref, monkeypatch)
 
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["thread", "processes"])
+@pytest.mark.parametrize("workers,to", [(1, "process"), (1, "thread"), (2, "process")],
+                         ids=["thread", "thread-signal-to-another-thread", "processes"])
 def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 workers: int) -> None:
+                                                 workers: int, to: str) -> None:
     """A write that never returns (a dead network filesystem), on a write-behind thread or in a
     worker process: Ctrl-C still ends the conversion within the bounded waits (the writer's abort
     timeout; a stuck worker process is killed after the stop wait), only sealed shards stay, and
-    no worker process is left."""
+    no worker process is left. The kernel may hand the process's SIGINT to any thread: sent to
+    another thread, it only flags the main thread, which must not sleep in an untimed wait (before
+    the fix the main thread slept in join() until the stuck write returned). Not with processes:
+    there the stuck write of this fake is the main thread's own (a shard's first bytes), which only
+    a signal to that thread interrupts."""
     from atom_convert import procs
 
-    stuck = multiprocessing.get_context("fork").Event()  # set in whichever process writes
+    ctx = multiprocessing.get_context("fork")
+    stuck, release = ctx.Event(), ctx.Event()  # set in whichever process writes
+    done = threading.Event()
     real = writer_mod._ShardIO.pwrite
 
     def pwrite(sh: Any, data: Any, offset: int) -> None:
         if sh.rel.endswith("00003-of-00009.safetensors"):
             stuck.set()
-            time.sleep(3600)
+            release.wait(3600)  # for ever, unless the conversion failed to stop (below)
         real(sh, data, offset)
 
     monkeypatch.setattr(writer_mod._ShardIO, "pwrite", pwrite)
     monkeypatch.setattr(_IOThread.abort, "__defaults__", (0.5,))
     monkeypatch.setattr(procs, "STOP_WAIT_S", 1.0)
 
-    def interrupt() -> None:  # Ctrl-C as the terminal sends it: to the process, here from another thread
+    def interrupt() -> None:  # Ctrl-C as the terminal sends it: to the process, or as handed to a thread
         stuck.wait(60)
         time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)
+        if to == "process":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        if not done.wait(45):  # still converting past the bound: let the write go, so the test fails, not hangs
+            release.set()
 
     threading.Thread(target=interrupt, daemon=True).start()
     dst = tmp_path / "dst"
     t0 = time.monotonic()
-    with pytest.raises(Interrupted) as ei:
-        atom_convert.convert(src, dst, **API_OPTS, workers=workers, worker_mode="process" if workers > 1 else "auto")
-    assert time.monotonic() - t0 < 30
+    try:
+        with pytest.raises(Interrupted) as ei:
+            atom_convert.convert(src, dst, **API_OPTS, workers=workers,
+                                 worker_mode="process" if workers > 1 else "auto")
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+    assert took < 30
     assert stuck.is_set() and ei.value.exit_code == 130
     check_stopped_state(dst)
     assert multiprocessing.active_children() == []

@@ -437,3 +437,36 @@ def test_cli_workers_and_max_memory(tiny_checkpoint: Callable[..., Path], tmp_pa
     code, out, err = run_cli(["convert", src, tmp_path / "d", "--max-memory", "lots"], capsys)
     assert code == 2 and "cannot read size" in err, out + err
     _nothing_left(tmp_path / "d")
+
+
+def test_inflight_counts_the_threads_at_work_until_they_leave() -> None:
+    """The count that replaces Thread.is_alive after Ctrl-C (inflight.py): threads inside are
+    waited for, the wait is bounded, and a thread beginning after the stop is refused."""
+    import threading
+    import time
+
+    from atom_convert.inflight import InFlight
+
+    pool, go = InFlight(), threading.Event()
+
+    def work() -> None:
+        if pool.enter():
+            try:
+                go.wait(10)
+            finally:
+                pool.leave()
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 5
+    while pool._inside < 3 and time.monotonic() < end:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert pool.stop_and_wait(0.3) == 3  # all still inside: the wait ends at its bound
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert not pool.enter()  # begins after the stop: refused
+    go.set()
+    assert pool.stop_and_wait(10) == 0
+    for t in threads:
+        t.join()
