@@ -3,6 +3,7 @@ configs/ presets) and their conversions, shared by every test module."""
 
 from __future__ import annotations
 
+import signal
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -11,6 +12,12 @@ import pytest
 
 import atom_convert
 from atom_convert.synth import build_tiny
+
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored,
+# and Python then installs no KeyboardInterrupt handler: the Ctrl-C tests would see nothing (a
+# fresh-clone run started so failed them, and hung in the stuck-write one). Python's default here.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 PRESETS = ("tiny-deepseek-v2-lite", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-kimi-k2")
 FORMATS = ("bf16", "fp8")
