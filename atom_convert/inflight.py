@@ -7,12 +7,26 @@ still runs marks that thread as stopped (the bpo-45274 handler in `_wait_for_tst
 releases the running thread's lock), so is_alive() turns False and a later join returns at once.
 Each thread registers itself here instead: `enter()` as it begins (refused once stopped, so a
 thread started after the stop never begins its work) and `leave()` as it ends.
+
+Until the interrupt, the waiting thread joins the pool in steps (`join_in_steps`): the kernel may
+hand a Ctrl-C to any thread, and then it only flags the main thread, whose handler (the
+KeyboardInterrupt) runs once it wakes; an untimed join would never wake.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Iterable
+
+STEP_S = 0.2  # how often a waiting thread wakes to notice a Ctrl-C
+
+
+def join_in_steps(threads: Iterable[threading.Thread]) -> None:
+    """Join every thread, waking every STEP_S so that a pending Ctrl-C is raised here."""
+    for t in threads:
+        while t.is_alive():
+            t.join(STEP_S)
 
 
 class InFlight:
@@ -41,5 +55,5 @@ class InFlight:
         with self._cond:
             self.stopped = True
             while self._inside and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(min(left, 0.2))
+                self._cond.wait(min(left, STEP_S))
             return self._inside

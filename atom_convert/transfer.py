@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .errors import BadInputError
-from .inflight import InFlight
+from .inflight import InFlight, join_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -319,9 +319,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             for t in pool:
                 t.start()
-            for t in pool:
-                while t.is_alive():  # in steps, so that a Ctrl-C handed to another thread is noticed
-                    t.join(0.2)
+            join_in_steps(pool)
         reading = False
     except BaseException:
         # Ctrl-C (or a signal handler's exception) on this thread while the threads copy. The files

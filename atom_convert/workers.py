@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import BadInputError
-from .inflight import InFlight
+from .inflight import InFlight, join_in_steps
 from .plan import Group, OutTensor
 
 # Besides the chunk being produced, a worker holds at most the chunk's source pages, one
@@ -194,7 +194,6 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
     queue = iter(work)
     take = threading.Lock()
     errors: list[BaseException] = []
-
     inflight = InFlight()
 
     def worker() -> None:
@@ -232,11 +231,7 @@ def run_items(work: list[Item], do: Callable[[Item, object], None], *, workers: 
     try:
         for t in threads:
             t.start()
-        for t in threads:
-            # In steps: a Ctrl-C the kernel hands to another thread only sets Python's flag, and the
-            # main thread runs the handler (KeyboardInterrupt) once it wakes; an untimed join never would.
-            while t.is_alive():
-                t.join(0.2)
+        join_in_steps(threads)
     except BaseException:  # Ctrl-C reaches the main thread only: stop the workers, then leave
         stop.set()
         # Bounded: a worker whose write is stuck for ever (a dead network filesystem) must not
