@@ -79,7 +79,7 @@ def decode_mla(ck: "ConvertedCheckpoint", owner: str, device: str | torch.device
     for attr in ("W_K", "W_V"):
         w = ck.get(f"{owner}.{attr}").to(device)
         s = ck.get(f"{owner}.{attr}_scale").to(device)
-        if ck.entry(f"{owner}.{attr}").get("runtime_dtype") == FP4X2:
+        if s.dtype == torch.uint8:  # MXFP4 operands: e8m0 scales per 32 (spec §4.2); fp8: one fp32 scale
             out.append(mxfp4_dequant(w, s))
         else:
             out.append(w.to(F32) * s)

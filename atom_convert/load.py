@@ -37,6 +37,7 @@ from torch import nn
 
 from .errors import BadInputError
 from .manifest import MANIFEST_NAME, Manifest
+from .postload import registered_shapes
 from .profile import get_profile
 from .transfer import FileRead, TensorSlot, place_cpu, place_cuda, read_header
 
@@ -61,6 +62,7 @@ class TensorRef:
     dtype: torch.dtype  # the runtime's dtype (e.g. float4_e2m1fn_x2 for U8-stored MXFP4)
     shape: tuple[int, ...]
     is_shuffled: bool
+    layout: Mapping[str, Any] = field(default_factory=dict)  # the manifest entry's layout facts
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ def rank_view(path: str | os.PathLike[str], rank: int) -> RankView:
     for name, e in m.tensors.items():
         where = f"{path / MANIFEST_NAME}: tensor {name}"
         tensors[name] = TensorRef(name=name, file=e.file_for(rank), dtype=_torch_dtype(e.runtime_dtype or e.dtype, where),
-                                  shape=tuple(e.shape), is_shuffled=e.is_shuffled)
+                                  shape=tuple(e.shape), is_shuffled=e.is_shuffled,
+                                  layout=dict(e.layout or {}))
     return RankView(path=path, rank=rank, tensors=tensors, aliases=dict(m.aliases), target=m.target, flags=dict(m.flags),
                     profile=m.profile, typed=m)
 
@@ -137,7 +140,7 @@ def manifest_differences(view: RankView, *, target: str | None = None, flags: Ma
     if atom_revision is not None:
         declared["atom_revision"] = atom_revision
     if flags is not None:
-        declared["flags"] = {k: v for k, v in flags.items() if k != "tp_size"}
+        declared["flags"] = dict(flags)
     return view.typed.differences(view.rank, **declared)
 
 
@@ -152,6 +155,7 @@ class LoadStats:
     device: str
     method: str  # "mmap" (CPU) or "pinned-<reader>" (GPU)
     copied_bytes: int = 0  # CPU: bytes copied rather than mapped (misaligned tensors)
+    names: frozenset[str] = frozenset()  # live names of the Parameters filled (tensors and aliases)
 
     @property
     def gb_per_s(self) -> float:
@@ -168,11 +172,25 @@ class _Binding:
     module: nn.Module
     attr: str
     is_param: bool
+    live_name: str
 
 
 def _split(name: str) -> tuple[str, str]:
     mod, _, attr = name.rpartition(".")
     return mod, attr
+
+
+def _live_slots(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Every live Parameter name (`named_parameters(remove_duplicate=False)` order) -> its slot: the
+    owning module object and the attribute. A module registered under two parents has one slot under
+    both names: ATOM's MLA impl re-registers the attention's q_proj/o_proj/kv_b_proj
+    (atom/model_ops/attention_mla.py 427-429), the same Linear objects, not further tensors."""
+    slots: dict[str, tuple[int, str]] = {}
+    for modname, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                slots[f"{modname}.{attr}" if modname else attr] = (id(module), attr)
+    return slots
 
 
 def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
@@ -181,6 +199,7 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
     bindings: list[_Binding] = []
     where = view.path / MANIFEST_NAME
     live = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[tuple[int, str]] = set()
     for live_name, ref in view.tensors.items():
         modpath, attr = _split(live_name)
         try:
@@ -190,31 +209,39 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
                             f"{modpath!r} in the live model")
             continue
         if attr in MLA_ATTRS and (modpath == mla_owner or modpath.endswith("." + mla_owner)):
-            bindings.append(_Binding(ref, module, attr, is_param=False))
+            bindings.append(_Binding(ref, module, attr, is_param=False, live_name=live_name))
             continue
         if attr not in module._parameters or module._parameters[attr] is None:
             problems.append(f"unexpected: {live_name} (in {where}, rank {view.rank} file {ref.file}) has no live "
                             f"Parameter; module {modpath!r} ({type(module).__name__}) registers "
                             f"{sorted(k for k, v in module._parameters.items() if v is not None) or 'none'}")
             continue
-        p = live.get(live_name, module._parameters[attr])
-        if tuple(p.shape) != ref.shape or p.dtype != ref.dtype:
+        p = module._parameters[attr]
+        # A Parameter whose shape ATOM's PWAL changes is registered with its pre-PWAL shape; the files
+        # hold the post-PWAL one (e8m0 scales padded or flattened, spec atom-layout.md §3.3.1, §4).
+        shapes = {ref.shape, *registered_shapes(ref.shape, ref.layout)}
+        if tuple(p.shape) not in shapes or p.dtype != ref.dtype:
+            before = f" (or {' / '.join(str(list(x)) for x in sorted(shapes - {ref.shape}))} before ATOM's " \
+                     "post-load step)" if len(shapes) > 1 else ""
             problems.append(f"wrong shape or dtype: {live_name}: live Parameter {p.dtype} {list(p.shape)}, files "
-                            f"{ref.dtype} {list(ref.shape)} (in {where}, rank {view.rank})")
+                            f"{ref.dtype} {list(ref.shape)}{before} (in {where}, rank {view.rank})")
+            filled.add((id(module), attr))  # reported once, as a wrong one, not also as missing
             continue
-        bindings.append(_Binding(ref, module, attr, is_param=True))
+        filled.add((id(module), attr))
+        bindings.append(_Binding(ref, module, attr, is_param=True, live_name=live_name))
     for alias, name in view.aliases.items():
         if name not in view.tensors:
             problems.append(f"alias {alias} -> {name}: {name} is not a tensor of {where}")
             continue
-        modpath, _ = _split(alias)
+        modpath, aattr = _split(alias)
         try:
-            model.get_submodule(modpath)
+            amod = model.get_submodule(modpath)
         except AttributeError:
             problems.append(f"unexpected: alias {alias} (in {where}) has no module {modpath!r} in the live model")
-    filled = set(view.tensors) | set(view.aliases)
-    for name in live:
-        if name not in filled:
+            continue
+        filled.add((id(amod), aattr))
+    for name, slot in _live_slots(model).items():
+        if slot not in filled:
             problems.append(f"missing: live Parameter {name} ({live[name].dtype} {list(live[name].shape)}) is not "
                             f"in {where} for rank {view.rank}")
     if problems:
@@ -273,7 +300,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     slots: dict[str, TensorSlot] = {}
     for b in bindings:
         cur = b.module._parameters.get(b.attr) if b.is_param else None
-        reuse = (cur is not None and cur.device == dev and cur.is_contiguous() and dev.type != "cpu")
+        reuse = (cur is not None and cur.device == dev and cur.is_contiguous() and dev.type != "cpu"
+                 and tuple(cur.shape) == b.ref.shape and cur.dtype == b.ref.dtype)
         slots[b.ref.name] = TensorSlot(b.ref.name, b.ref.dtype, b.ref.shape, cur.data if reuse else None)
     by_file: dict[str, list[TensorSlot]] = {}
     for b in bindings:
@@ -312,7 +340,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     # gc.collect and empty_cache (§10 item 12) are the caller's, once after everything is loaded
     # (runtime/common.py): a full collection costs 0.1-0.6 s in a process holding torch and transformers.
     return LoadStats(bytes=nbytes, seconds=time.perf_counter() - t0, tensors=len(bindings), files=len(reads),
-                     device=str(dev), method=method, copied_bytes=copied)
+                     device=str(dev), method=method, copied_bytes=copied,
+                     names=frozenset([b.live_name for b in bindings if b.is_param] + list(view.aliases)))
 
 
 def module_tree(view: RankView) -> nn.Module:

@@ -315,3 +315,19 @@ MOE: dict[str, MoEPostLoad] = {
     "fp8-block": Fp8MoEPostLoad(),
     "mxfp4": Mxfp4MoEPostLoad(),
 }
+
+
+def registered_shapes(shape: Sequence[int], layout: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """The shapes ATOM's model registers, before its post-load step, for a tensor that the files hold
+    post-load with `shape` and the manifest's `layout` facts; empty where the two are the same.
+    An MXFP4 linear's e8m0 scale is registered [rows, K/32] and padded by aiter's e8m0_shuffle
+    (atom/model_ops/linear.py 875-878); a fused MoE's e8m0 scales are registered per expert
+    [E, rows, K/32] and flattened to 2-D by the shuffle (atom/model_ops/moe.py 1305-1323)."""
+    if not layout.get("e8m0_shuffled"):
+        return ()
+    if "unpadded_shape" in layout:
+        return (tuple(int(x) for x in layout["unpadded_shape"]),)
+    n = int(layout.get("experts", 0))
+    if n and len(shape) == 2 and shape[0] % n == 0:
+        return ((n, shape[0] // n, shape[1]),)
+    return ()

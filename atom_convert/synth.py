@@ -29,8 +29,9 @@ from .quant.fp8_block import block_quant, scale_grid
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
-# Linear weights that DeepSeek keeps in bf16 in its fp8 release.
-_NOT_QUANTIZED = re.compile(r".*(mlp\.gate\.weight|embed_tokens\.weight|lm_head\.weight|shared_head\.head\.weight|norm\.weight|layernorm\.weight|enorm\.weight|hnorm\.weight)$")
+# Linear weights that DeepSeek keeps in bf16 in its fp8 release; the MTP eh_proj among them (R1/V3/V3.2
+# fp8 store it in bf16 without a scale: ATOM's atom/models/deepseek_mtp.py 288-300 says so and relies on it).
+_NOT_QUANTIZED = re.compile(r".*(mlp\.gate\.weight|embed_tokens\.weight|lm_head\.weight|shared_head\.head\.weight|norm\.weight|layernorm\.weight|enorm\.weight|hnorm\.weight|eh_proj\.weight)$")
 
 
 def quark_mxfp4_config(exclude: list[str]) -> dict[str, Any]:
@@ -240,6 +241,8 @@ def _random_tensors(name: str, shape: tuple[int, ...], kind: str, fmt: str, weig
         return {name: torch.randint(0, 256, (shape[0], shape[1] // 2), generator=gen, dtype=torch.uint8),
                 name.removesuffix(".weight") + ".weight_scale":
                     torch.randint(118, 124, (shape[0], shape[1] // 32), generator=gen, dtype=torch.uint8)}
+    if kind == "linear" and fmt == "fp8" and name.endswith("eh_proj.weight"):
+        return {name: (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)}  # see _NOT_QUANTIZED
     if kind == "linear" and weights == "gaussian":
         w = (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)
         if fmt == "fp8":

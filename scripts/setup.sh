@@ -16,6 +16,16 @@ fi
 if [ "${1:-}" = "--test" ]; then
   python -m pip install -q -e ".[test]"
   python -c "import sys; sys.path.insert(0, 'tests'); import oracles; print('aiter oracle wheel:', oracles.aiter_wheel())"
+  # Real vLLM for the vLLM loader's tests, in a venv of its own (it pins its own torch and packages):
+  # the version ATOM pins. Its CUDA-only torchvision/torchaudio/torchcodec are removed (they break imports
+  # on a CPU machine); vLLM's loader, configs and distributed groups need none of them.
+  if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+    "$PY" -m venv .venv-vllm
+    .venv-vllm/bin/python -m pip install -q "vllm==0.27.1"
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+  .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in .venv-vllm')"
 else
   python -m pip install -q -e .
 fi

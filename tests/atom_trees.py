@@ -46,6 +46,11 @@ class Node(nn.Module):
         PWALCounter.calls += 1
 
 
+class MoEParallel:
+    def __init__(self, ep_size: int, use_ep: bool):
+        self.ep_size, self.use_ep = ep_size, use_ep
+
+
 class Tree:
     def __init__(self, meta: bool):
         self.device = "meta" if meta else "cpu"
@@ -95,6 +100,13 @@ def _attention(t: Tree, c: dict[str, Any], tp: int, fmt: str, fp8: torch.dtype) 
     a.o_proj = t.linear(H, Nr * V, fmt, fp8)
     a.mla_attn = Node()
     a.mla_attn.impl = Node()
+    # ATOM's MLA impl keeps the attention's own q/o/kv_b Linear objects as children too
+    # (atom/model_ops/attention_mla.py 427-429: `self.q_proj = mla_modules.q_proj`, ...): the same
+    # modules under a second name, so named_parameters(remove_duplicate=False) lists them twice.
+    impl = a.mla_attn.impl
+    impl.q_proj = a.q_b_proj if Q is not None else a.q_proj
+    impl.o_proj = a.o_proj
+    impl.kv_b_proj = a.kv_b_proj
     del Nh
     return a
 
@@ -107,6 +119,11 @@ def _moe(t: Tree, c: dict[str, Any], tp: int, fmt: str, fp8: torch.dtype) -> Nod
     mlp.gate = Node()
     t.param(mlp.gate, "weight", (E, H), BF16)
     mlp.experts = Node(quantized=True)
+    # ATOM's FusedMoE carries its parallel layout as live objects (atom/model_ops/moe.py:
+    # `moe_parallel_config` with ep_size/use_ep, `expert_map` None without EP); a loader declares
+    # them (atom-loading.md §10 item 1). These trees are tensor-parallel: no EP.
+    mlp.experts.moe_parallel_config = MoEParallel(ep_size=1, use_ep=False)
+    mlp.experts.expert_map = None
     if c.get("topk_method") == "noaux_tc":
         bias = t.param(mlp.gate, "e_score_correction_bias", (E,), BF16)
         if t.device == "meta":  # the meta patch re-registers a copy: two objects (atom-loading.md §5)

@@ -308,7 +308,8 @@ def test_tp2_writes_rank_files(src: Path, conv: Path, tmp_path: Path, capsys: py
     assert code == 0, err
     m = json.loads((dst / MANIFEST).read_text())
     m1 = json.loads((conv / MANIFEST).read_text())
-    assert m["tp_size"] == 2 and m["layout"]["flags"]["tp_size"] == 2
+    # the parallel layout is stated once, in `parallel` (the flags hold only ATOM_* and moe_backend)
+    assert m["tp_size"] == 2 and m["parallel"]["tp"] == 2 and "tp_size" not in m["layout"]["flags"]
     for root in (dst, dst / "mtp"):
         names = sorted(p.name for p in root.glob("*.safetensors"))
         assert names == ["model-rank0-00001-of-00001.safetensors", "model-rank1-00001-of-00001.safetensors"]
@@ -360,7 +361,7 @@ def test_api_returns_the_manifest(api_run: tuple[Path, dict[str, Any]], src: Pat
     assert m["target"] == "gfx942" and m["fp8_dtype"] == "float8_e4m3fnuz" and m["tp_size"] == 1
     lay = m["layout"]
     assert isinstance(lay["atom_revision"], str) and len(lay["atom_revision"]) >= 7
-    assert isinstance(lay["flags"], dict) and lay["flags"]["tp_size"] == 1
+    assert isinstance(lay["flags"], dict) and "tp_size" not in lay["flags"] and m["parallel"]["tp"] == 1
     assert "ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE" in lay["flags"]
 
     s = m["source"]

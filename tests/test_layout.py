@@ -244,10 +244,37 @@ class Builder:
         if fp8:
             self.add(base + "w2_weight_scale", s2s, srcs)
 
+    def readback(self, module: str) -> torch.Tensor:
+        """ATOM's `get_and_maybe_dequant_weights` on the processed fp8 layer (atom/model_ops/utils.py
+        175-185): its forward on a bf16 identity, run here as the aiter kernels do it (semantics from
+        aiter e4048607a, as ../shared/atom-oracle/aiter_shim.py writes them): the identity quantised
+        per 1x128 (absmax >= 1e-10; scale = absmax * fl32(1/max); code = cvt(x * (1/scale))), then
+        the blockscale GEMM over K blocks in order: acc = fma(partial, a_scale * b_scale, acc) from 0,
+        rounded to bf16 at the end; the result transposed back to [N, K]."""
+        w, sc = self.fix(self.s[f"{module}.weight"]), self.fix_s(self.s[f"{module}.weight_scale_inv"])
+        n, k = w.shape
+        kb = cdiv(k, 128)
+        mx = float(torch.finfo(self.fp8).max)
+        eye = torch.eye(k, dtype=BF16).float()
+        g = torch.zeros(k, kb * 128)
+        g[:, :k] = eye
+        g = g.view(k, kb, 128)
+        a_scale = (g.abs().amax(-1).clamp(min=1e-10) * torch.tensor(1.0 / mx, dtype=torch.float32)).float()
+        a_q = (g * (1.0 / a_scale)[..., None]).clamp(-mx, mx).to(self.fp8).float()  # [k, kb, 128]
+        wq = torch.zeros(n, kb * 128)
+        wq[:, :k] = w.float()
+        wq = wq.view(n, kb, 128)
+        b_scale = sc.float().repeat_interleave(128, 0)[:n]  # [n, kb]
+        acc = torch.zeros(k, n)
+        for b in range(kb):
+            part = a_q[:, b, :] @ wq[:, b, :].t()
+            acc = torch.addcmul(acc, part, a_scale[:, b:b + 1] * b_scale[:, b][None, :])
+        return acc.to(BF16).t().contiguous()
+
     def mla(self, sp: str, op: str) -> None:
         m = f"{sp}self_attn.kv_b_proj"
         s = self.s
-        wkvb = s.dequant_bf16(m) if s.is_fp8(m) else s[f"{m}.weight"]
+        wkvb = self.readback(m) if s.is_fp8(m) else s[f"{m}.weight"]
         assert wkvb.dtype == BF16 and wkvb.shape == (s.Nh * (s.P + s.V), s.L)
         nr = s.Nh // self.tp
         n = torch.arange(nr)

@@ -26,11 +26,12 @@ from ..errors import BadInputError, CheckpointError, ConfigError, UnsupportedErr
 from ..model import ModelSpec
 from ..parallel import REPLICATED, Parallel, Split
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
-from ..postload import FP4X2, LINEAR, MOE, TensorSpec
+from ..postload import LINEAR, MOE, TensorSpec
 from ..profile import NATIVE_MLA_OWNER, NamingProfile
 from ..quant.base import LinearCodec, LinearData, SourceFormat
 from ..quant.bf16 import FLOAT_DTYPES, Bf16Linear
 from ..quant.formats import FP8_DTYPE_BY_TARGET
+from ..quant.fp8_block import identity_readback
 from ..quant.mxfp4 import MXFP4_BLOCK, dynamic_mxfp4_quant
 from ..quant.per_tensor import per_tensor_quant
 from ..source import SourceCheckpoint
@@ -38,9 +39,11 @@ from .base import ArchLoader
 
 BF16 = torch.bfloat16
 
-# The layout flag values this loader produces (spec §6.2 defaults); recorded in
-# the manifest so that a runtime with other flags refuses the files (spec §8.10).
-LAYOUT_FLAGS: dict[str, Any] = {
+# ATOM's layout flags and their defaults at the layout's ATOM revision (atom/utils/envs.py; spec
+# §6.2). A conversion records the values it assumed (the defaults, but ATOM_USE_TRITON_MXFP4_BMM
+# under --mla-bmm mxfp4) so that a runtime with other flags refuses the files (spec §8.10); a
+# runtime's unset flag counts with its default here (runtime/common.live_flags).
+ATOM_FLAG_DEFAULTS: dict[str, int] = {
     "ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE": 1,
     "ATOM_FP8_BLOCKSCALE_USE_E8M0_SCALE": 0,
     "ATOM_USE_TRITON_GEMM": 0,
@@ -48,9 +51,10 @@ LAYOUT_FLAGS: dict[str, Any] = {
     "ATOM_USE_TRITON_MXFP4_BMM": 0,
     "ATOM_MOE_GU_ITLV": 0,
     "ATOM_FUSE_SHARED_EXPERT": 1,
-    "moe_backend": "standard",
-    "enable_expert_parallel": False,
 }
+# The manifest's flags: the ATOM_* values plus the config's MoE backend. Expert parallel and the
+# tensor-parallel size are facts of the manifest's `parallel` record, stated once there.
+LAYOUT_FLAGS: dict[str, Any] = {**ATOM_FLAG_DEFAULTS, "moe_backend": "standard"}
 
 # The rounding of the MXFP4 MLA operands (spec §10.1): pinned per layout revision.
 MXFP4_ROUNDING = "aiter e4048607a triton dynamic_mxfp4_quant: e8m0 from amax rounded up, e2m1 half to even, -0 kept"
@@ -438,11 +442,14 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
 # --------------------------------------------------------------------------------------------
 
 
-def kv_b_bf16(codec: LinearCodec, data: LinearData) -> torch.Tensor:
+def kv_b_bf16(codec: LinearCodec, data: LinearData, target_fp8: torch.dtype) -> torch.Tensor:
     """What `get_and_maybe_dequant_weights(kv_b_proj)` returns (spec §4.1 step 1, §6.4): the bf16
-    weight itself, or the processed layer's GEMM against an identity, i.e. bf16(value x scale)
-    rounded to nearest even. fnuz halves the code and doubles the scale, so the value is the
-    same computed from the source bytes; an MXFP4 value is exact in bf16."""
+    weight itself; for a DeepSeek fp8 one, the processed layer's blockscale GEMM against an
+    identity (`identity_readback`: the kernel's epilogue, not a plain bf16(value x scale), which
+    differs in rare ulps); an MXFP4 value is exact in bf16."""
+    if codec.name == "fp8-block":
+        assert data.scale is not None
+        return identity_readback(data.weight, data.scale, target_fp8)
     return codec.dequant(data).to(BF16)
 
 
@@ -472,7 +479,7 @@ def _mla(ctx: _Ctx, src_prefix: str, codecs: list[LinearCodec], attr: str, rank:
     if key not in cache:
         d = _read_linear(ctx, KV_B, src_prefix, codecs, rank)
         s = ctx.spec
-        cache[key] = mla_operands(kv_b_bf16(codecs[0], d), s.Nh // ctx.tp, s.P, s.V, s.L, ctx.fp8, ctx.mla_bmm)
+        cache[key] = mla_operands(kv_b_bf16(codecs[0], d, ctx.fp8), s.Nh // ctx.tp, s.P, s.V, s.L, ctx.fp8, ctx.mla_bmm)
     yield cache[key].pop(attr)
     if not cache[key]:
         del cache[key]
@@ -488,9 +495,11 @@ def _plan_mla(ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
         if s.P % MXFP4_BLOCK or s.L % MXFP4_BLOCK:
             raise UnsupportedError(f"--mla-bmm mxfp4 needs qk_nope_head_dim ({s.P}) and kv_lora_rank ({s.L}) to be "
                                    f"multiples of 32 (spec §4.2)")
-        specs = {"W_K": TensorSpec(torch.uint8, (nr, s.L, s.P // 2), runtime_dtype=FP4X2),
+        # ATOM holds the packed e2m1 pairs as uint8 here, not as float4_e2m1fn_x2 (b_dynamic_mxfp4_quant,
+        # atom/model_ops/utils.py 191-194, over aiter's dynamic_mxfp4_quant)
+        specs = {"W_K": TensorSpec(torch.uint8, (nr, s.L, s.P // 2), runtime_dtype="uint8"),
                  "W_K_scale": TensorSpec(torch.uint8, (nr, s.L, s.P // MXFP4_BLOCK), runtime_dtype="uint8"),
-                 "W_V": TensorSpec(torch.uint8, (nr, s.V, s.L // 2), runtime_dtype=FP4X2),
+                 "W_V": TensorSpec(torch.uint8, (nr, s.V, s.L // 2), runtime_dtype="uint8"),
                  "W_V_scale": TensorSpec(torch.uint8, (nr, s.V, s.L // MXFP4_BLOCK), runtime_dtype="uint8")}
         rounding = {"rounding": MXFP4_ROUNDING}
         specs = {k: TensorSpec(v.dtype, v.shape, runtime_dtype=v.runtime_dtype, meta=rounding) for k, v in specs.items()}
@@ -718,6 +727,6 @@ class DeepseekLoader(ArchLoader):
             raise CheckpointError(ctx.problems, hint="The source does not match its config.json; fix or re-download it.")
         return ConversionPlan(spec=spec, source_format=fmt.name, target=target, tp=tp, profile=profile, main=main,
                               mtp=mtp_plan, mtp_status=mtp_status, dropped=dropped,
-                              layout_flags=dict(LAYOUT_FLAGS, tp_size=tp,
-                                                ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4")),
+                              layout_flags=dict(LAYOUT_FLAGS, ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4"),
+                                                ATOM_FUSE_SHARED_EXPERT=int(par.shared_experts == "fused")),
                               parallel=par)

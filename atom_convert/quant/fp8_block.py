@@ -37,6 +37,24 @@ def block_dequant(w: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) 
     return w.float() * s
 
 
+def identity_readback(w: torch.Tensor, scale: torch.Tensor, target_fp8: torch.dtype,
+                      block: int = FP8_BLOCK) -> torch.Tensor:
+    """bf16 [N, K]: what ATOM reads back from a processed per_1x128 fp8 linear by its forward on an
+    identity matrix (`get_and_maybe_dequant_weights`, atom/model_ops/utils.py 175-185; spec
+    atom-layout.md §4.1 step 1, §6.4), with the arithmetic of aiter's kernels at e4m3fn/fnuz:
+    the identity's rows are quantised per 1x128 (amax 1: scale fl32(1/max), code max), the
+    blockscale GEMM's epilogue multiplies the fp32 partial sum max·w by the fp32 product of the
+    two scales and accumulates from +0 (so -0 reads back as +0), then rounds to nearest-even bf16.
+    On gfx942 the layer holds w/2 with a doubled scale and max is 240: the powers of two cancel,
+    so the value is computed here from the source's e4m3fn `w` and `scale` with the target's max.
+    """
+    n, k = w.shape
+    fmax = float(torch.finfo(target_fp8).max)
+    a_scale = torch.tensor(1.0 / fmax, dtype=torch.float32)
+    c = (a_scale * scale.float()).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return ((w.float() * fmax) * c + 0.0).to(torch.bfloat16)
+
+
 def block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-style 128x128 fp8 quantisation (used to synthesise fp8 checkpoints).
 

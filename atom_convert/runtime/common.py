@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,6 +15,7 @@ from torch import nn
 from ..errors import BadInputError
 from ..load import LoadStats, load_into, rank_view
 from ..manifest import MANIFEST_NAME
+from ..loaders.deepseek import ATOM_FLAG_DEFAULTS
 
 FP8_TARGET = {torch.float8_e4m3fnuz: "gfx942", torch.float8_e4m3fn: "gfx950"}
 
@@ -52,25 +54,97 @@ def finalize_moe(model: nn.Module) -> int:
     return done
 
 
+def _runtime_fp8() -> torch.dtype | None:
+    """The fp8 dtype of the GPU this process runs on, as ATOM decides it (aiter's `dtypes.fp8`, which
+    ATOM gives W_K/W_V: atom/model_ops/attention_mla.py 665-669); None where aiter is not loaded (no
+    ATOM in this process)."""
+    if "aiter" not in sys.modules:
+        return None
+    try:
+        from aiter.utility import dtypes  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - an aiter without the module: fall back to the parameters
+        return None
+    dt = getattr(dtypes, "fp8", None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
 def live_target(model: nn.Module) -> str | None:
-    """The GPU target the live model was built for, from the fp8 dtype its parameters have
-    (e4m3fnuz: gfx942, e4m3fn: gfx950; spec §3.0.1); None for a model without fp8 parameters."""
-    for p in model.parameters():
-        if p.dtype in FP8_TARGET:
-            return FP8_TARGET[p.dtype]
-    return None
+    """The GPU target the live runtime is for (spec §3.0.1: e4m3fnuz gfx942, e4m3fn gfx950): from
+    aiter's arch fp8 where ATOM runs (a bf16 model has no fp8 Parameter, but its W_K/W_V would be
+    the arch's fp8), else from the fp8 dtype of the model's Parameters; None when neither tells.
+    A model whose fp8 Parameters disagree with each other or with the arch is refused."""
+    seen = {FP8_TARGET[p.dtype] for p in model.parameters() if p.dtype in FP8_TARGET}
+    arch = _runtime_fp8()
+    if arch is not None and arch in FP8_TARGET:
+        seen.add(FP8_TARGET[arch])
+    if len(seen) > 1:
+        raise BadInputError(f"the live model mixes fp8 formats of {' and '.join(sorted(seen))} "
+                            f"(aiter's arch fp8: {arch}); build it on one GPU target")
+    return next(iter(seen), None)
 
 
-def live_flags(recorded: dict[str, Any]) -> dict[str, Any]:
-    """The layout flags as this process has them: an `ATOM_*` flag set in the environment counts
-    with its value, an unset one with the value the conversion assumed (ATOM's default, recorded in
-    the manifest); config-level values (moe_backend, expert parallel) are compared separately."""
-    out = dict(recorded)
-    for k in recorded:
-        if k.startswith("ATOM_") and k in os.environ:
-            v = os.environ[k]
-            out[k] = int(v) if v.lstrip("-").isdigit() else v
+def _atom_envs() -> Any:
+    """ATOM's own flag reader (`atom.utils.envs`) where ATOM is loaded in this process, else None."""
+    if "atom" not in sys.modules:
+        return None
+    try:
+        import atom.utils.envs as envs  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001
+        return None
+    return envs
+
+
+def live_flags(names: Any = None) -> dict[str, Any]:
+    """The layout flags (`ATOM_*`, spec atom-layout.md §6) as this process has them: read through
+    ATOM's own `atom.utils.envs` where ATOM is loaded, else from the environment with ATOM's
+    defaults (atom/utils/envs.py at the layout's ATOM revision). An unset flag counts with ATOM's
+    default, never with the value a conversion recorded. `names` (a manifest's flags, or their
+    names) limits the result to those flags; None: every flag of the layout."""
+    wanted = [k for k in (names if names is not None else ATOM_FLAG_DEFAULTS) if k.startswith("ATOM_")]
+    envs = _atom_envs()
+    out: dict[str, Any] = {}
+    for k in wanted:
+        if envs is not None:
+            try:
+                v = getattr(envs, k)
+            except AttributeError:
+                v = None
+            if v is not None:
+                out[k] = int(v) if isinstance(v, bool) else v
+                continue
+        if k in os.environ:
+            out[k] = int(os.environ[k].strip().lower() == "1")  # ATOM's boolean flags: "1" is on
+        elif k in ATOM_FLAG_DEFAULTS:
+            out[k] = ATOM_FLAG_DEFAULTS[k]
     return out
+
+
+def fused_moes(model: nn.Module) -> list[nn.Module]:
+    """ATOM's fused MoE modules: those with a `moe_parallel_config` (atom/model_ops/moe.py)."""
+    return [m for _, m in model.named_modules() if getattr(m, "moe_parallel_config", None) is not None]
+
+
+def live_parallel(model: nn.Module, *, world: int, dp: int = 1, dp_attention: bool = False) -> dict[str, Any]:
+    """The parallel layout the live model was built for (spec atom-loading.md §10 item 1,
+    atom-parallel.md §5), read from its own objects: the world (GPUs of the deployment), dp and
+    dp_attention from the runtime's config, and from its fused MoEs the expert-parallel size
+    (`moe_parallel_config.ep_size` when `use_ep`) and the rank's `expert_map` (None without EP)."""
+    par: dict[str, Any] = {"tp": int(world), "dp": int(dp), "dp_attention": bool(dp_attention)}
+    moes = fused_moes(model)
+    if moes:
+        layouts = set()
+        for m in moes:
+            mpc = m.moe_parallel_config
+            em = getattr(m, "expert_map", None)
+            layouts.add((int(mpc.ep_size) if mpc.use_ep else 1,
+                         None if em is None else tuple(int(x) for x in em.tolist())))
+        if len(layouts) > 1:
+            raise BadInputError(f"the live model's fused MoEs disagree on their expert layout ({len(layouts)} "
+                                "different ep/expert_map pairs); build it with one parallel config")
+        ep, em = layouts.pop()
+        par["ep"] = ep
+        par["expert_map"] = None if em is None else list(em)
+    return par
 
 
 def free_transients(device: torch.device) -> None:
@@ -80,14 +154,18 @@ def free_transients(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def restore(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: torch.device, tp_size: int,
-            profile: str = "atom", parallel: dict[str, Any] | None = None) -> tuple[LoadStats, int]:
+def restore(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: torch.device,
+            parallel: dict[str, Any], profile: str = "atom", moe_backend: str | None = None) -> tuple[LoadStats, int]:
     """Load one rank's converted tensors into a model built under `meta_parameters`, then finalize
-    its fused MoEs; never runs any process_weights_after_loading (§10 item 10). `parallel`: further
-    live layout values to compare (ep, dp, dp_attention, expert_map; atom-parallel.md §5)."""
+    its fused MoEs; never runs any process_weights_after_loading (§10 item 10). `parallel`: the live
+    layout (`live_parallel`), compared with the manifest's; the target and the layout flags are read
+    from this process (`live_target`, `live_flags`); `moe_backend` from the runtime's config."""
     view = rank_view(path, rank)
+    flags = live_flags(view.flags)
+    if moe_backend is not None:
+        flags["moe_backend"] = moe_backend
     stats = load_into(model, path, rank=rank, device=device, profile=profile, target=live_target(model),
-                      flags=live_flags(view.flags), parallel={"tp": tp_size, **(parallel or {})})
+                      flags=flags, parallel=parallel)
     n = finalize_moe(model)
     free_transients(device)
     return stats, n

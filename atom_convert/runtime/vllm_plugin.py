@@ -13,19 +13,22 @@ What it does in `load_weights(model, model_config)` (`model` is ATOM's wrapper, 
 4. returns `{"model." + name}` for every parameter of the ATOM model (§10 item 13: vLLM's strict
    check for bf16 configs).
 vLLM still calls its own `process_weights_after_loading` loop after `load_weights`; loop 1 finds no
-vLLM quant method and loop 2 finds the neutralised hook. Written from vLLM 0.27.1 / ATOM HEAD code
-(spec), not run against a live vLLM.
+vLLM quant method and loop 2 finds the neutralised hook. The MTP draft: vLLM loads it with the
+target's load format and directory, so the loader fills it from `mtp/` (`is_mtp_draft`). Tested with
+real vLLM 0.27.1's config, loader registry and draft-config path on a CPU (tests/test_vllm.py); not
+run inside a serving vLLM on a GPU.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .common import finalize_moe, free_transients, live_flags, live_target
-from ..load import load_into, rank_view
+from ..errors import BadInputError
+from .common import live_parallel, mtp_path, restore
 
 LOAD_FORMAT = "atom_converted"
 PROFILE = "vllm-plugin"
@@ -45,16 +48,52 @@ def neutralise_mla_hooks(model: nn.Module, owner_suffix: str = ".mla_attn") -> i
     return n
 
 
+def is_mtp_draft(model: nn.Module, model_config: Any = None) -> bool:
+    """Whether vLLM hands this loader the MTP draft rather than the target. vLLM loads the draft with
+    the target's load config and model path (speculative.py: `draft_load_config` None -> the
+    target's; the draft's model is the target's directory), so the same `--load-format` reaches
+    it; ATOM's wrapper marks the draft (`is_mtp_draft_model`, atom/plugin/vllm/model_wrapper.py
+    384), and its config names an MTP architecture (vLLM's `hf_config_override`: DeepSeekMTPModel)."""
+    if getattr(model, "is_mtp_draft_model", False):
+        return True
+    hf = getattr(model_config, "hf_config", None)
+    archs = getattr(hf, "architectures", None) or []
+    return any("MTP" in a for a in archs)
+
+
+def target_device(load_config: Any, model: nn.Module) -> torch.device:
+    """The device vLLM loads onto, as `BaseModelLoader.load_model` chooses it (base_loader.py 47-52):
+    `load_config.device`, else the current config's `device_config.device` (set around the whole
+    load in a worker: gpu_worker.py 435-442); else where the model's own tensors live."""
+    dev = getattr(load_config, "device", None)
+    if dev is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found]
+
+            cur = get_current_vllm_config_or_none()
+        except ImportError:
+            cur = None
+        dev = getattr(getattr(cur, "device_config", None), "device", None)
+    if dev is None or str(dev) in ("", "auto"):
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type != "meta":
+                dev = t.device
+                break
+    if dev is None:
+        raise BadInputError("atom_converted loader: no device in vLLM's load or device config and none on the "
+                            "model; start vLLM with --device (or LoadConfig(device=...))")
+    return torch.device(dev)
+
+
 def load_weights(model: nn.Module, path: str, *, rank: int, tp_size: int, device: torch.device,
-                 parallel: dict[str, Any] | None = None) -> set[str]:
-    """Steps 1-4 of the module docstring for the wrapper `model`; returns the loaded-name set."""
-    view = rank_view(path, rank)
-    load_into(model, path, rank=rank, device=device, profile=PROFILE, target=live_target(model),
-              flags=live_flags(view.flags), parallel={"tp": tp_size, **(parallel or {})})
-    finalize_moe(model)
-    neutralise_mla_hooks(model)
-    free_transients(device)
+                 dp: int = 1, draft: bool = False) -> set[str]:
+    """Steps 1-4 of the module docstring for the wrapper `model`; returns the loaded-name set. `draft`:
+    the MTP drafter, filled from the converted `mtp/` set (or refused, naming what to do)."""
     inner = model.model if hasattr(model, "model") else model
+    src = mtp_path(path) if draft else Path(path)
+    par = live_parallel(inner, world=tp_size, dp=dp, dp_attention=False)  # DP-attention is off in the plugin (§4)
+    stats, _ = restore(model, src, rank=rank, device=device, parallel=par, profile=PROFILE)
+    neutralise_mla_hooks(model)
     return {"model." + n for n, _ in inner.named_parameters(remove_duplicate=False)}
 
 
@@ -69,8 +108,18 @@ def register() -> None:
             return None  # the converted directory is the model path
 
         def load_weights(self, model: nn.Module, model_config: Any) -> set[str]:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size  # type: ignore[import-not-found]
+            from vllm.distributed import (  # type: ignore[import-not-found]
+                get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size)
 
-            device = torch.device("cuda", torch.cuda.current_device())
+            dp = 1
+            try:
+                from vllm.config import get_current_vllm_config_or_none  # type: ignore[import-not-found]
+
+                cur = get_current_vllm_config_or_none()
+                dp = int(getattr(getattr(cur, "parallel_config", None), "data_parallel_size", 1) or 1)
+            except ImportError:
+                pass
             return load_weights(model, str(model_config.model), rank=get_tensor_model_parallel_rank(),
-                                tp_size=get_tensor_model_parallel_world_size(), device=device)
+                                tp_size=get_tensor_model_parallel_world_size(),
+                                device=target_device(self.load_config, model), dp=dp,
+                                draft=is_mtp_draft(model, model_config))
