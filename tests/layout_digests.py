@@ -29,12 +29,20 @@ SOURCES: dict[str, tuple[str, str]] = {  # name -> (preset, fmt); quark-* is a Q
     "kimi-fp8": ("tiny-kimi-k2", "fp8"),
     "v3-mxfp4": ("tiny-deepseek-v3", "quark-template"),
     "kimi-mxfp4-all": ("tiny-kimi-k2", "quark-all"),
+    "v3-fp8-h8": ("tiny-deepseek-v3", "fp8"),  # 8 heads, wide experts: divisible by tp 8 (OVERRIDES)
+    "v3-bf16-h8": ("tiny-deepseek-v3", "bf16"),
+}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "v3-fp8-h8": {"num_attention_heads": 8, "moe_intermediate_size": 1024, "intermediate_size": 1024},
+    "v3-bf16-h8": {"num_attention_heads": 8, "moe_intermediate_size": 1024, "intermediate_size": 1024},
 }
 # mode -> convert() keyword arguments
 MODES: dict[str, dict[str, Any]] = {
     "tp1": {"tp": 1},
     "tp2": {"tp": 2},
     "tp8": {"tp": 8},
+    "tp8-ep": {"tp": 8, "ep": True},
+    "tp8-dpa": {"tp": 8, "dp_attention": True},
     "tp2-ep": {"tp": 2, "ep": True},
     "tp2-dpa": {"tp": 2, "dp_attention": True},
     "tp2-dpa-ep": {"tp": 2, "dp_attention": True, "ep": True},
@@ -49,7 +57,10 @@ def cases() -> list[tuple[str, str, str]]:
     out = []
     for src in SOURCES:
         for target in ("gfx950", "gfx942"):
-            for mode in (MODES if src in FULL else ("tp1", "tp2")):
+            modes = ("tp8", "tp8-ep", "tp8-dpa") if src in OVERRIDES else MODES if src in FULL else ("tp1", "tp2")
+            for mode in modes:
+                if mode.startswith("tp8") and src not in OVERRIDES:
+                    continue
                 if mode == "tp1-mla-mxfp4" and target != "gfx950":
                     continue
                 out.append((src, target, mode))
@@ -63,9 +74,10 @@ def build_source(name: str, out: Path) -> Path:
         from quark_fixtures import build_quark_export
 
         return build_quark_export(out, preset, fmt.removeprefix("quark-"), seed=seed)
-    from atom_convert.synth import build_tiny
+    from atom_convert.synth import build_tiny, load_preset
 
-    return build_tiny(preset, out, fmt=fmt, seed=seed, shards=2 if fmt == "fp8" else 1)
+    cfg = dict(load_preset(preset), **OVERRIDES.get(name, {}))
+    return build_tiny(cfg, out, fmt=fmt, seed=seed, shards=2 if fmt == "fp8" else 1)
 
 
 def _sha(b: bytes) -> str:
