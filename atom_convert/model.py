@@ -54,11 +54,6 @@ class ModelSpec:
         """spec §2.3: MoE when experts exist, i >= first_k_dense_replace and i % moe_layer_freq == 0."""
         return self.E > 0 and i >= self.first_k_dense and i % self.moe_layer_freq == 0
 
-    @property
-    def fuse_shared_expert(self) -> bool:
-        """ATOM fuses one shared expert as routed slot E; S > 1 (V2) stays a separate MLP (spec §2.4)."""
-        return self.S == 1
-
     @classmethod
     def from_config(cls, cfg: Any, where: str = "config.json") -> "ModelSpec":
         """Read and check config.json. Every value is checked for its type and range before

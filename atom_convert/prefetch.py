@@ -9,7 +9,7 @@ and a plain copy 18.8 s (BENCHMARKS.md, issue 9).
 
 How it works: one thread walks the items in the order they are handed out (workers.py)
 and reads each item's source tensors that no earlier item read (`needs(i)`), merged into
-byte ranges in file order, `STEP` bytes at a time. Item order, not file order: the
+byte ranges in file order, `step` bytes at a time. Item order, not file order: the
 safetensors library stores tensors by dtype, then by name, so expert 100 comes before
 expert 2 in a file, and an item of the first experts would otherwise wait for most of the
 layer. Under MoE tensor parallel, the items of one range of experts for every rank read the
@@ -23,7 +23,7 @@ posix_fadvise(WILLNEED) and waits on one byte of the step before.
 Items wait for it (`wait_read(i)`): item i starts once its bytes are read, so that sixteen
 workers do not fault in pages of a cold file ahead of the readahead (on the device machine
 the faster gfx950 conversion was then the slower one from a cold cache, BENCHMARKS.md,
-issue 9, fifth round). The wait is bounded (GATE_TIMEOUT_S) and ends when the thread stops,
+issue 9, fifth round). The wait is bounded (`gate_timeout_s`) and ends when the thread stops,
 so a slow or failed readahead costs time, never correctness: a page not yet read is faulted
 in by the worker.
 
@@ -51,14 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEP = 32 << 20  # bytes per read request
+STEP_BYTES = 32 << 20  # default bytes per read request (Prefetcher's step)
 _MERGE_GAP = 1 << 20  # ranges closer than this are read as one (the gap is read too)
-GATE = True  # items wait for their bytes (wait_read); False: they do not (benches)
-GATE_TIMEOUT_S = 60.0
-# Populate (below) rather than posix_fadvise(WILLNEED): on the 2-core box's virtio disk the
-# advice, paced by a one-byte read, read a cold 4 GB file at 0.39-0.52 GB/s, populating at
-# 1.05-1.21 GB/s, dd at 0.81 (BENCHMARKS.md, issue 9, eighth round).
-POPULATE = True  # False: the fadvise path (benches)
+GATE_TIMEOUT_S = 60.0  # default longest wait of an item for its bytes (Prefetcher's gate_timeout_s)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform.startswith("linux") else None
 AHEAD_MIN, AHEAD_MAX = 2 << 30, 16 << 30
 
@@ -125,10 +120,24 @@ def byte_ranges(source: "SourceCheckpoint", names: Iterable[str]) -> list[tuple[
 class Prefetcher:
     """The readahead thread of one converted set, over `count` items in the order they are handed
     out; `needs(i)`: the source tensor names item i reads. `reached(i)`: a worker started item i;
-    `wait_read(i)`: block until its bytes are read; `close()` stops the thread (bounded wait)."""
+    `wait_read(i)`: block until its bytes are read; `close()` stops the thread (bounded wait).
+
+    Options (the defaults are the conversion's; benches and tests change them): `ahead` (module
+    docstring; default `default_ahead()`); `step`: bytes per read request; `gate`: items wait for
+    their bytes in `wait_read` (False: they never wait); `gate_timeout_s`: for at most this long;
+    `populate`: read by populating a mapping (False: the posix_fadvise path, as on a kernel
+    without MADV_POPULATE_READ). Populate rather than posix_fadvise(WILLNEED): on the 2-core box's
+    virtio disk the advice, paced by a one-byte read, read a cold 4 GB file at 0.39-0.52 GB/s,
+    populating at 1.05-1.21 GB/s, dd at 0.81 (BENCHMARKS.md, issue 9, eighth round)."""
 
     def __init__(self, source: "SourceCheckpoint", count: int, needs: Callable[[int], Iterable[str]],
-                 ahead: int | None = None):
+                 ahead: int | None = None, *, step: int = STEP_BYTES, gate: bool = True,
+                 gate_timeout_s: float = GATE_TIMEOUT_S, populate: bool = True):
+        if step <= 0:
+            raise ValueError(f"prefetch step must be positive, got {step}")
+        self._step = step
+        self._gate = gate
+        self._gate_timeout_s = gate_timeout_s
         self._source = source
         self._count = count
         self._needs = needs
@@ -141,7 +150,7 @@ class Prefetcher:
         self._bytes = 0  # bytes read so far
         self._bytes_after: dict[int, int] = {}  # item -> _bytes once it was read
         self._fds: dict[str, int] = {}
-        self._populate = POPULATE and _LIBC is not None
+        self._populate = populate and _LIBC is not None
         self._thread = threading.Thread(target=self._run, name="atom-convert-prefetch", daemon=True)
         self._thread.start()
 
@@ -152,11 +161,11 @@ class Prefetcher:
                 self._cond.notify_all()
 
     def wait_read(self, index: int) -> None:
-        """Block until item `index`'s bytes are read (module docstring); at most GATE_TIMEOUT_S,
-        and not at all once the thread has ended."""
-        if not GATE:
+        """Block until item `index`'s bytes are read (module docstring); at most `gate_timeout_s`,
+        and not at all once the thread has ended (or without the gate)."""
+        if not self._gate:
             return
-        deadline = time.monotonic() + GATE_TIMEOUT_S
+        deadline = time.monotonic() + self._gate_timeout_s
         with self._cond:
             while not (self._stop or self._ended) and self._done < index:
                 left = deadline - time.monotonic()
@@ -200,10 +209,10 @@ class Prefetcher:
         pending: tuple[int, int] | None = None  # (fd, last byte) of the advised step in flight
         for file, a, b in ranges:
             fd, start = self._fd(file)
-            for off in range(start + a, start + b, STEP):
+            for off in range(start + a, start + b, self._step):
                 if self._stop:
                     return
-                n = min(STEP, start + b - off)
+                n = min(self._step, start + b - off)
                 if self._populate:
                     try:
                         populate(fd, off, n)

@@ -34,7 +34,6 @@ import json
 import mmap
 import os
 import queue
-import signal
 import struct
 import threading
 from dataclasses import dataclass
@@ -89,46 +88,29 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> int:
 
 
 class FaultHook:
-    """Test-only: ATOM_CONVERT_TEST_SIGNAL_AT_BYTE="N:SIGNAME" makes the process send itself
-    SIGNAME once N shard bytes have been written, counted over every shard in the order the
-    writes complete (the tests kill a conversion at chosen points with it; the writer
-    otherwise never reads it). The buffer crossing N is written up to byte N first, so a
-    kill leaves a shard cut at exactly that point."""
+    """The writer's fault-injection interface, for tests: production passes none (`fault=None`).
 
-    ENV = "ATOM_CONVERT_TEST_SIGNAL_AT_BYTE"
-
-    def __init__(self, at: int, signum: int):
-        import multiprocessing
-
-        self.at, self.signum = at, signum
-        # Shared memory, so that worker processes (procs.py) count into the same total; the
-        # signal goes to the converting process, whichever process writes the byte.
-        self._done = multiprocessing.Value("q", 0)
-        self.pid = os.getpid()
-
-    @classmethod
-    def from_env(cls) -> "FaultHook | None":
-        spec = os.environ.get(cls.ENV)
-        if not spec:
-            return None
-        at, name = spec.split(":")
-        return cls(int(at), int(getattr(signal, name)))
-
-    @property
-    def done(self) -> int:
-        return int(self._done.value)
+    Before each buffer a shard writes, the writer asks the hook `cut(n)`: None, or an offset
+    inside the n bytes; then it writes that many bytes, calls `fire()` and writes the rest, so a
+    test can kill or interrupt a conversion with a shard cut at an exact byte
+    (tests/fault_launcher.py has the hook the crash tests use). A hook reaches the writers as
+    their `fault=` argument, from their caller; the writer holds no hook of its own and reads no
+    environment variable."""
 
     def cut(self, n: int) -> int | None:
-        """Count `n` bytes about to be written; where the signal falls inside them, the offset."""
-        with self._done.get_lock():
-            before = self._done.value
-            self._done.value = before + n
-        return self.at - before if before < self.at <= before + n else None
+        """Count `n` bytes about to be written; where the fault falls inside them, the offset."""
+        return None
 
     def fire(self) -> None:
-        os.kill(self.pid, self.signum)
-        if os.getpid() != self.pid and self.signum == signal.SIGKILL:
-            os.kill(os.getpid(), signal.SIGKILL)  # a worker process dies with the converter, at once
+        """Inject the fault (the writer calls it with exactly `cut(n)` bytes of the buffer written)."""
+
+    @staticmethod
+    def from_env() -> "FaultHook | None":
+        """None: the conversion driver (convert.py) asks for a hook here and passes it to the writers;
+        a test replaces the driver's `FaultHook` name with one that returns its hook
+        (tests/fault_launcher.py). Kept under this name for that call; nothing is read from the
+        environment any more."""
+        return None
 
 
 class Cancelled(Exception):
@@ -234,8 +216,7 @@ class _Piece:
     data: Any  # a buffer (numpy byte view or bytes)
 
 
-_HASH_READ = 8 << 20  # read-back block of the hashing threads
-HASH_FROM_MAP = True  # hash the written bytes through a mapping of the file (False: read them back, benches)
+HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWriter's hash_read)
 
 
 def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
@@ -275,7 +256,7 @@ class _ShardIO:
         """Write all of `data` at `offset`."""
         mv = memoryview(data).cast("B")
         cut = self.fault.cut(len(mv)) if self.fault is not None else None
-        if cut is not None:  # test hook: the signal arrives with exactly `cut` bytes of this buffer written
+        if cut is not None:  # test hook: the fault fires with exactly `cut` bytes of this buffer written
             self.pwrite_all(mv[:cut], offset)
             self.fault.fire()  # type: ignore[union-attr]
             self.pwrite_all(mv[cut:], offset + cut)
@@ -300,8 +281,11 @@ class ShardFile(_ShardIO):
     """
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
-                 journal: Journal, fault: FaultHook | None = None):
+                 journal: Journal, fault: FaultHook | None = None, *, hash_from_map: bool = True,
+                 hash_read: int = HASH_READ_BYTES):
         super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self.hash_from_map = hash_from_map  # ShardSetWriter's docstring
+        self.hash_read = hash_read
         self.header = header
         self.size = size  # header + data
         self.journal = journal
@@ -332,7 +316,7 @@ class ShardFile(_ShardIO):
     def hash_and_seal(self) -> None:
         """The hashing thread: sha256 of the written prefix as it grows; then fsync and seal."""
         try:
-            view = None if HASH_FROM_MAP else memoryview(bytearray(min(_HASH_READ, max(self.size, 1))))
+            view = None if self.hash_from_map else memoryview(bytearray(min(self.hash_read, max(self.size, 1))))
             while self.hashed < self.size:
                 with self.cond:
                     while self.frontier <= self.hashed and not self.aborted:
@@ -342,7 +326,7 @@ class ShardFile(_ShardIO):
                     ready = self.frontier
                 while self.hashed < ready:
                     if view is None:
-                        n = self._hash_mapped(min(_HASH_READ, ready - self.hashed))
+                        n = self._hash_mapped(min(self.hash_read, ready - self.hashed))
                     else:
                         n = self._io(os.preadv, self.fd, [view[:min(len(view), ready - self.hashed)]], self.hashed)
                         if n <= 0:
@@ -406,12 +390,20 @@ class ShardSetWriter:
 
     Thread-safe: workers call `write` for any (slot, tensor) in any order; each tensor's
     bytes land at the offset the plan gives it.
+
+    `fault`: a test's fault hook (FaultHook), None in production. How the hashing threads read
+    the written bytes (the same sha256 either way; benches compare them): `hash_from_map`
+    through a read-only mapping of the file (the default), else read back with preadv;
+    `hash_read` bytes at a time.
     """
 
     def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
                  journal: Journal, kept: dict[str, Sealed] | None = None,
                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
-                 fault: FaultHook | None = None):
+                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES):
+        if hash_read <= 0:
+            raise ValueError(f"hash_read must be positive, got {hash_read}")
+        self.hash_from_map, self.hash_read = hash_from_map, hash_read
         self.root = root
         self.prefix = f"{subdir}/" if subdir else ""
         self.dir = root / subdir if subdir else root
@@ -464,7 +456,7 @@ class ShardSetWriter:
             if sh is None:
                 header, offsets, size = shard_layout(plan, self.by_name)
                 sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
-                               self.fault)
+                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read)
                 self._open[plan.file] = sh
                 t = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
                 t.start()

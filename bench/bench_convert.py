@@ -112,7 +112,6 @@ def child_copy(src: Path, dst: Path) -> dict[str, Any]:
 def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import atom_convert
 
-    import importlib
     import inspect
 
     # The bench also measures package states from before --workers (one worker, no budget).
@@ -122,9 +121,7 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     kw = {"workers": opts["workers"]} if workers_api else {}
     if opts.get("worker_mode", "auto") != "auto":
         kw["worker_mode"] = opts["worker_mode"]
-    for target, value in opts.get("patch", {}).items():  # a --variant: module constants set first
-        mod, attr = target.rsplit(".", 1)
-        setattr(importlib.import_module(mod), attr, value)
+    apply_variant(opts.get("patch", {}))  # a --variant: its options set first
     t0 = time.perf_counter()
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
     _fsync_path(dst)
@@ -133,6 +130,85 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
             # the call alone: op_seconds also counts importing torch
             "convert_call_seconds": time.perf_counter() - t0}
     return info
+
+
+# Switches that were module constants and are now keyword options of the objects that use them
+# (issue 27): a --variant may name either form, and each works on this package and on older ones.
+OPTION_OF_CONSTANT = {
+    "atom_convert.prefetch.GATE": "atom_convert.prefetch.Prefetcher.gate",
+    "atom_convert.prefetch.POPULATE": "atom_convert.prefetch.Prefetcher.populate",
+    "atom_convert.prefetch.STEP": "atom_convert.prefetch.Prefetcher.step",
+    "atom_convert.prefetch.GATE_TIMEOUT_S": "atom_convert.prefetch.Prefetcher.gate_timeout_s",
+    "atom_convert.writer.HASH_FROM_MAP": "atom_convert.writer.ShardSetWriter.hash_from_map",
+    "atom_convert.writer._HASH_READ": "atom_convert.writer.ShardSetWriter.hash_read",
+}
+CONSTANT_OF_OPTION = {v: k for k, v in OPTION_OF_CONSTANT.items()}
+
+
+def _class_option(target: str) -> tuple[type, str] | None:
+    """(class, keyword) for MODULE.CLASS.KEYWORD where CLASS's constructor takes KEYWORD, else None."""
+    import importlib
+    import inspect
+
+    head, _, option = target.rpartition(".")
+    mod, _, name = head.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), name, None)
+    except ImportError:
+        return None
+    if not isinstance(cls, type) or option not in inspect.signature(cls.__init__).parameters:
+        return None
+    return cls, option
+
+
+def _module_constant(target: str) -> tuple[Any, str] | None:
+    """(module, name) for MODULE.NAME where the module has NAME, else None."""
+    import importlib
+
+    mod, _, name = target.rpartition(".")
+    try:
+        m = importlib.import_module(mod)
+    except ImportError:
+        return None
+    return (m, name) if hasattr(m, name) else None
+
+
+def apply_variant(patch: dict[str, Any]) -> None:
+    """Set a --variant's values in this process, the conversion's, before it converts.
+
+    MODULE.CLASS.KEYWORD: every CLASS the conversion makes gets KEYWORD=VALUE (CLASS is replaced,
+    wherever a loaded atom_convert module holds it, by a subclass that passes it; a keyword the
+    caller passes itself still wins). MODULE.NAME: a module constant, set (packages from before
+    issue 27, whose switches were constants). A target in OPTION_OF_CONSTANT in either form is
+    taken in whichever form this package has."""
+    import sys as _sys
+
+    options: dict[type, dict[str, Any]] = {}
+    for target, value in patch.items():
+        forms = [target] + [x for x in (OPTION_OF_CONSTANT.get(target), CONSTANT_OF_OPTION.get(target)) if x]
+        for form in forms:
+            co = _class_option(form)
+            if co is not None:
+                options.setdefault(co[0], {})[co[1]] = value
+                break
+            mc = _module_constant(form)
+            if mc is not None:
+                setattr(mc[0], mc[1], value)
+                break
+        else:
+            sys.exit(f"bench_convert: --variant target {target!r} is neither a keyword of an atom_convert class "
+                     f"nor a module constant in this package")
+    for cls, kw in options.items():
+        def init(self: Any, *a: Any, _kw: dict[str, Any] = kw, _init: Any = cls.__init__, **k: Any) -> None:
+            _init(self, *a, **{**_kw, **k})
+
+        sub = type(cls.__name__, (cls,), {"__init__": init, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__})
+        for name, mod in list(_sys.modules.items()):
+            if mod is not None and (name == "atom_convert" or name.startswith("atom_convert.")):
+                for attr, val in list(vars(mod).items()):
+                    if val is cls:
+                        setattr(mod, attr, sub)
 
 
 def child_bound(src: Path, opts: dict[str, Any]) -> dict[str, Any]:
@@ -539,13 +615,15 @@ def tree_text(peak: dict[str, Any], sampler: str) -> str:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """'no-gate:atom_convert.prefetch.GATE=false,atom_convert.prefetch.STEP=8388608' -> (name, {target: value})."""
+    """'no-gate:atom_convert.prefetch.Prefetcher.gate=false,atom_convert.prefetch.Prefetcher.step=8388608'
+    -> (name, {target: value}); a target is checked in the conversion's process (apply_variant)."""
     name, _, rest = text.partition(":")
     patch = {}
     for item in filter(None, rest.split(",")):
         target, _, value = item.partition("=")
         if not target.startswith("atom_convert.") or "." not in target:
-            sys.exit(f"bench_convert: --variant {text!r}: {target!r} is not an atom_convert module constant")
+            sys.exit(f"bench_convert: --variant {text!r}: {target!r} is not an atom_convert class option "
+                     f"or module constant")
         patch[target] = json.loads(value)
     return name, patch
 
@@ -624,10 +702,13 @@ def main(argv: list[str] | None = None) -> int:
                                                    "(default 1)")
     ap.add_argument("--worker-mode", default="auto",
                     help="comma-separated: auto, process, thread (convert's worker_mode; default auto)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE[,...]",
-                    help="a configuration with module constants set in the conversion's process (VALUE is JSON), "
-                         "e.g. no-gate:atom_convert.prefetch.GATE=false; repeatable; 'NAME:' alone is the "
-                         "code as it is. Default: one variant, as it is")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.CLASS.OPTION=VALUE[,...]",
+                    help="a configuration with keyword options of the conversion's objects set in its process "
+                         "(VALUE is JSON), e.g. no-gate:atom_convert.prefetch.Prefetcher.gate=false or "
+                         "readback:atom_convert.writer.ShardSetWriter.hash_from_map=false; MODULE.NAME sets a "
+                         "module constant (older packages; their switch names map to the options, "
+                         "OPTION_OF_CONSTANT); repeatable; 'NAME:' alone is the code as it is. Default: one "
+                         "variant, as it is")
     ap.add_argument("--no-settle", dest="settle", action="store_false",
                     help="cold: skip the untimed copy run before the timed ones")
     ap.add_argument("--pairs", "--repeat", dest="pairs", type=int, default=None,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 
 
-def run_cli(argv: list[str], stderr_path: str, env: dict[str, str]) -> None:
-    """`atom-convert ARGV` with extra environment variables, stderr into a file; exits with the CLI's code."""
-    os.environ.update(env)
+def run_cli(argv: list[str], stderr_path: str, fault: str | None = None) -> None:
+    """`atom-convert ARGV` with stderr into a file; exits with the CLI's code. `fault`: 'N:SIGNAME',
+    the conversion sends itself SIGNAME once N shard bytes are written (tests/fault_launcher.py)."""
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
-    from atom_convert.cli import main
+    import fault_launcher
 
-    main(argv)
+    fault_launcher.run_cli(argv, fault)

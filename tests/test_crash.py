@@ -4,9 +4,9 @@ A multi-shard conversion (tiny-deepseek-v3 fp8, tp=2, 200 KB shards: 48 shard fi
 sets) is killed at random points through the real CLI entry point in a child process,
 then resumed; every output file must be byte-identical to an uninterrupted conversion and
 the manifests equal apart from the timing field. The kill points are byte counts of shard
-data written (the writer's test-only ATOM_CONVERT_TEST_SIGNAL_AT_BYTE hook sends the
-signal from inside the write), so they land inside shards, at their last byte, and between
-a shard's write and its seal. The children are forked from a forkserver that imported
+data written (a fault hook that tests/fault_launcher.py hands the writer sends the signal
+from inside the write), so they land inside shards, at their last byte, and between a
+shard's write and its seal. The children are forked from a forkserver that imported
 atom_convert once (tests/crash_child.py): torch's import would otherwise dominate.
 """
 
@@ -32,7 +32,7 @@ import atom_convert
 from atom_convert.errors import BadInputError, Interrupted
 from atom_convert.staging import DestinationLock, DestPaths
 from atom_convert import writer as writer_mod
-from atom_convert.writer import FaultHook, ShardSetWriter, _IOThread
+from atom_convert.writer import ShardSetWriter, _IOThread
 
 from cliutil import Shared, run_cli
 
@@ -102,12 +102,12 @@ def forkserver() -> Any:
     return _CTX
 
 
-def child_cli(args: list[Any], tmp: Path, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str]:
-    """The CLI in a forked child; (exit code, or -signal when killed; stderr)."""
+def child_cli(args: list[Any], tmp: Path, fault: str | None = None, timeout: float = 120) -> tuple[int, str]:
+    """The CLI in a forked child, `fault` ('N:SIGNAME') installed; (exit code, or -signal when killed; stderr)."""
     import crash_child
 
     err = tmp / f"stderr-{time.monotonic_ns()}"
-    p = forkserver().Process(target=crash_child.run_cli, args=([str(a) for a in args], str(err), env or {}))
+    p = forkserver().Process(target=crash_child.run_cli, args=([str(a) for a in args], str(err), fault))
     p.start()
     p.join(timeout)
     if p.is_alive():
@@ -200,7 +200,7 @@ def test_sigkill_at_random_points_then_resume(src: Path, ref: Path, shard_bytes:
     kept = []
     for i, at in enumerate(points):
         dst = tmp_path / f"dst{i}"
-        code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, {FaultHook.ENV: f"{at}:SIGKILL"})
+        code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, f"{at}:SIGKILL")
         assert code == -signal.SIGKILL, f"kill at byte {at}: exit {code}\n{err}"
         assert not dst.exists()
         entries, files = staged_state(dst)
@@ -216,7 +216,7 @@ def test_sigterm_at_random_points_then_resume(src: Path, ref: Path, shard_bytes:
     points = sorted(rng.randrange(1, shard_bytes) for _ in range(10))
     for i, at in enumerate(points):
         dst = tmp_path / f"dst{i}"
-        code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, {FaultHook.ENV: f"{at}:SIGTERM"})
+        code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, f"{at}:SIGTERM")
         assert code == 143, f"SIGTERM at byte {at}: exit {code}\n{err}"
         assert "interrupted by SIGTERM" in err, err
         check_stopped_state(dst)
@@ -237,22 +237,48 @@ def test_sigterm_at_random_points_then_resume(src: Path, ref: Path, shard_bytes:
 
 
 def test_sigterm_through_the_installed_command(src: Path, ref: Path, shard_bytes: int, tmp_path: Path) -> None:
-    """The real `atom-convert` executable (not a forked child): SIGTERM exits 143, then --resume completes."""
+    """The installed `atom-convert` script in a fresh interpreter (not a forked child; the fault
+    through tests/fault_launcher.py): SIGTERM exits 143, then the script itself --resume completes."""
     exe = Path(sys.executable).with_name("atom-convert")
     dst = tmp_path / "dst"
-    env = {**os.environ, FaultHook.ENV: f"{shard_bytes // 2}:SIGTERM",
-           "PYTHONPATH": os.pathsep.join([str(Path(atom_convert.__file__).parent.parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([str(exe), "convert", str(src), str(dst), *OPTS], env=env, capture_output=True, text=True,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(atom_convert.__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    # The installed script's own code, run as __main__ in a fresh interpreter with the fault installed.
+    launcher = Path(__file__).with_name("fault_launcher.py")
+    r = subprocess.run([sys.executable, str(launcher), "--fault", f"{shard_bytes // 2}:SIGTERM", "--script", str(exe),
+                        "--", "convert", str(src), str(dst), *OPTS], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 143, r.stderr
     check_stopped_state(dst)
-    env.pop(FaultHook.ENV)
     r = subprocess.run([str(exe), "convert", str(src), str(dst), *OPTS, "--resume"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "resuming the partial conversion" in r.stderr
     assert_same_conversion(dst, ref)
+
+
+def test_faults_reach_the_writer_only_from_its_caller(src: Path, ref: Path, shard_bytes: int, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No environment variable injects a fault (the writer and the readahead read none); a hook
+    installed for the conversion driver (tests/fault_launcher.py) sees every shard byte, written
+    by worker processes or by threads, and changes no output byte."""
+    import inspect
+
+    import fault_launcher
+    from atom_convert import prefetch
+
+    monkeypatch.setenv("ATOM_CONVERT_TEST_SIGNAL_AT_BYTE", "1:SIGCONT")  # the variable the writer once read
+    assert writer_mod.FaultHook.from_env() is None
+    for mod in (writer_mod, prefetch):
+        code = inspect.getsource(mod)
+        assert "os.environ" not in code and "getenv" not in code, mod.__name__
+    for mode in ("process", "thread"):
+        hook = fault_launcher.SignalAtByte(shard_bytes + 1, signal.SIGKILL)  # past the last byte: never fires
+        with fault_launcher.installed(hook):
+            atom_convert.convert(src, tmp_path / mode, workers=2, worker_mode=mode, **API_OPTS)
+        assert hook.done == shard_bytes, mode
+        assert_same_conversion(tmp_path / mode, ref)
+    assert sys.modules["atom_convert.convert"].FaultHook is writer_mod.FaultHook  # put back
 
 
 def test_ctrl_c_at_random_points_never_hangs(src: Path, ref: Path, shard_bytes: int, tmp_path: Path,
@@ -262,13 +288,13 @@ def test_ctrl_c_at_random_points_never_hangs(src: Path, ref: Path, shard_bytes: 
         dst = tmp_path / f"dst{i}"
         if i < 3:  # from inside a write
             at = rng.randrange(1, shard_bytes)
-            code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, {FaultHook.ENV: f"{at}:SIGINT"}, timeout=60)
+            code, err = child_cli(["convert", src, dst, *OPTS], tmp_path, f"{at}:SIGINT", timeout=60)
         else:  # from outside, at a random time, as a terminal does
             import crash_child
 
             errf = tmp_path / f"err{i}"
             p = forkserver().Process(target=crash_child.run_cli,
-                                     args=(["convert", str(src), str(dst), *OPTS], str(errf), {}))
+                                     args=(["convert", str(src), str(dst), *OPTS], str(errf)))
             p.start()
             time.sleep(rng.uniform(0.3, 1.5))  # after the child's start-up (a fork of the preloaded server)
             try:
@@ -439,7 +465,7 @@ def test_sigkill_leaves_no_worker_process_and_no_lock(src: Path, ref: Path, shar
     err = tmp_path / "stderr"
     p = forkserver().Process(target=crash_child.run_cli,
                              args=([str(a) for a in ["convert", src, dst, *OPTS]], str(err),
-                                   {FaultHook.ENV: f"{shard_bytes // 2}:SIGKILL"}))
+                                   f"{shard_bytes // 2}:SIGKILL"))
     p.start()
     workers: set[int] = set()
     deadline = time.monotonic() + 120
@@ -686,7 +712,7 @@ def test_wait_queues_behind_the_running_conversion(src: Path, ref: Path, tmp_pat
 
     errf = tmp_path / "err"
     p = forkserver().Process(target=crash_child.run_cli, args=(["convert", str(src), str(dst), *OPTS, "--wait"],
-                                                               str(errf), {}))
+                                                               str(errf)))
     p.start()
     try:
         deadline = time.monotonic() + 120
@@ -712,7 +738,7 @@ def test_two_conversions_into_one_dst_at_once(tiny_checkpoint: Callable[..., Pat
     procs = []
     for i, s in enumerate(sources):
         p = forkserver().Process(target=crash_child.run_cli,
-                                 args=(["convert", str(s), str(dst), *OPTS], str(tmp_path / f"err{i}"), {}))
+                                 args=(["convert", str(s), str(dst), *OPTS], str(tmp_path / f"err{i}")))
         procs.append(p)
     for p in procs:
         p.start()

@@ -34,10 +34,13 @@ def _chunks(names: list[str], k: int) -> list[list[str]]:
     return [names[i * len(names) // k:(i + 1) * len(names) // k] for i in range(k)]
 
 
+SLOW_STEP = 4096  # the Prefetcher's step in the tests that read through slow_disk
+
+
 @pytest.fixture()
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Reads in 4 KB steps, each 2 ms: slow enough to be caught mid-way. Returns the
-    (offset, bytes) of every step, in order."""
+    """Each step (a Prefetcher made with step=SLOW_STEP reads 4 KB steps) takes 2 ms: slow enough to
+    be caught mid-way. Returns the (offset, bytes) of every step, in order."""
     asked: list[tuple[int, int]] = []
     real = prefetch.populate
 
@@ -46,7 +49,6 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         time.sleep(0.002)
         real(fd, off, n)
 
-    monkeypatch.setattr(prefetch, "STEP", 4096)
     monkeypatch.setattr(prefetch, "populate", populate)
     return asked
 
@@ -97,7 +99,7 @@ def test_items_read_in_order_each_tensor_once_and_wait_read_waits_for_its_bytes(
         step_of_item.append(len(slow_disk))
         return items[i]
 
-    p = Prefetcher(source, len(items), needs, ahead=1 << 40)
+    p = Prefetcher(source, len(items), needs, ahead=1 << 40, step=SLOW_STEP)
     try:
         p.reached(len(items) - 1)
         p.wait_read(1)
@@ -131,7 +133,7 @@ def test_reads_at_most_ahead_bytes_beyond_the_newest_started_item(source: Source
         asked.append(i)
         return items[i]
 
-    p = Prefetcher(source, len(items), needs, ahead=1)
+    p = Prefetcher(source, len(items), needs, ahead=1, step=SLOW_STEP)
     try:
         time.sleep(0.5)
         assert asked == [0]  # none started: the first item only (then 1 byte or more is ahead)
@@ -155,18 +157,28 @@ def test_without_populate_it_advises_and_waits(source: SourceCheckpoint, monkeyp
         advised.append((off, n))
         real_fadvise(fd, off, n, advice)
 
-    monkeypatch.setattr(prefetch, "STEP", 4096)
     monkeypatch.setattr(prefetch, "populate", no_populate)
     monkeypatch.setattr(prefetch.os, "posix_fadvise", fadvise)
     names = sorted(source.names())
-    p = Prefetcher(source, 1, lambda i: names, ahead=1 << 40)
+    p = Prefetcher(source, 1, lambda i: names, ahead=1 << 40, step=4096)
     try:
         p.wait_read(0)
         with p._cond:
             assert p._done == 0
     finally:
         p.close()
-    assert sum(n for _, n in advised) == sum(b - a for _, a, b in byte_ranges(source, names))
+    want = sum(b - a for _, a, b in byte_ranges(source, names))
+    assert sum(n for _, n in advised) == want
+    assert max(n for _, n in advised) <= 4096  # in steps of step= bytes
+    # populate=False (a bench's switch): the same advice, populate never tried
+    advised.clear()
+    monkeypatch.setattr(prefetch, "populate", lambda fd, off, n: pytest.fail("populate with populate=False"))
+    p = Prefetcher(source, 1, lambda i: names, ahead=1 << 40, populate=False)
+    try:
+        p.wait_read(0)
+    finally:
+        p.close()
+    assert sum(n for _, n in advised) == want
 
 
 def test_wait_read_ends_on_close_on_a_failed_readahead_and_without_the_gate(source: SourceCheckpoint,
@@ -175,7 +187,7 @@ def test_wait_read_ends_on_close_on_a_failed_readahead_and_without_the_gate(sour
     items = _chunks(sorted(source.names()), 4)
     last = len(items) - 1
     # closed while an item waits for bytes the readahead may not read yet (nothing started)
-    p = Prefetcher(source, len(items), items.__getitem__, ahead=1)
+    p = Prefetcher(source, len(items), items.__getitem__, ahead=1, step=SLOW_STEP)
     closer = threading.Timer(0.3, p.close)
     closer.start()
     t0 = time.monotonic()
@@ -184,7 +196,7 @@ def test_wait_read_ends_on_close_on_a_failed_readahead_and_without_the_gate(sour
     closer.join()
     # a readahead that fails (a file that cannot be opened): the wait ends with it
     monkeypatch.setattr(Prefetcher, "_fd", lambda self, file: (_ for _ in ()).throw(OSError(5, "I/O error")))
-    p = Prefetcher(source, len(items), items.__getitem__)
+    p = Prefetcher(source, len(items), items.__getitem__, step=SLOW_STEP)
     try:
         p.reached(last)
         t0 = time.monotonic()
@@ -193,8 +205,7 @@ def test_wait_read_ends_on_close_on_a_failed_readahead_and_without_the_gate(sour
     finally:
         p.close()
     # the gate off: no wait at all
-    monkeypatch.setattr(prefetch, "GATE", False)
-    p = Prefetcher(source, len(items), items.__getitem__, ahead=1)
+    p = Prefetcher(source, len(items), items.__getitem__, ahead=1, step=SLOW_STEP, gate=False)
     try:
         t0 = time.monotonic()
         p.wait_read(last)

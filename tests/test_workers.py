@@ -10,6 +10,7 @@ width with 16 heads for tp 8 (the tiny presets have 4 heads) and for the Quark M
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -112,8 +113,15 @@ def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_pat
     manifest is hashlib's over the file as written, for workers in processes and in threads."""
     from atom_convert import writer
 
-    monkeypatch.setattr(writer, "HASH_FROM_MAP", from_map)
-    monkeypatch.setattr(writer, "_HASH_READ", 12345)
+    convert_mod = importlib.import_module("atom_convert.convert")  # the package attribute is the function
+
+    class Hashing(writer.ShardSetWriter):  # the driver's writer, made with the hashing options
+        def __init__(self, *a: Any, **kw: Any):
+            super().__init__(*a, **kw, hash_from_map=from_map, hash_read=12345)
+            made.append(self)
+
+    made: list[writer.ShardSetWriter] = []
+    monkeypatch.setattr(convert_mod, "ShardSetWriter", Hashing)
     src = sources("fp8", 8)
     for workers, mode in ((2, "process"), (3, "thread")):
         dst = tmp_path / f"w{workers}"
@@ -123,6 +131,8 @@ def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_pat
         assert len(shards) > 8
         for rel, meta in shards.items():
             assert meta["sha256"] == hashlib.sha256((dst / rel).read_bytes()).hexdigest(), (workers, rel)
+    shards = [sh for w in made for sh in w._open.values()]
+    assert shards and all(sh.hash_from_map is from_map and sh.hash_read == 12345 for sh in shards)
 
 
 @pytest.mark.parametrize("par", [{"ep": True}, {"dp_attention": True, "ep": True}], ids=["ep", "dpa-ep"])
