@@ -30,7 +30,7 @@ FIXTURES = {
     "v3-fp8": ("tiny-deepseek-v3", "fp8", True, ("gfx950", "gfx942")),
     "kimi-fp8": ("tiny-kimi-k2", "fp8", False, ("gfx950", "gfx942")),
     "v3-bf16": ("tiny-deepseek-v3", "bf16", True, ("gfx950", "gfx942")),
-    "v3-mxfp4": ("tiny-deepseek-v3", "quark-template", False, ("gfx950",)),
+    "v3-mxfp4": ("tiny-deepseek-v3", "quark-template", False, ("gfx950", "gfx942")),
 }
 # mode -> (convert options, oracle options besides --tp/--rank, tp)
 MODES = {
