@@ -42,7 +42,7 @@ from tqdm import tqdm
 from . import buffers, loaders, procs, quant
 from . import workers as workers_mod
 from .errors import BadInputError, Interrupted, UnsupportedError
-from .fingerprint import SIDE_FILES, SIDE_SUFFIXES, Fingerprint, options_fingerprint, source_fingerprint
+from .fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from .manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
 from .model import ModelSpec
 from .parallel import Parallel
@@ -50,7 +50,7 @@ from .plan import COMMON, ConversionPlan, ModelPlan, OutTensor, ShardPlan, assig
 from .prefetch import Prefetcher
 from .profile import get_profile
 from .quant.formats import TARGETS
-from .remote_code import remote_code_files
+from .safetensors_file import side_files
 from .source import SourceCheckpoint
 from .staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
                       os_error_message, plan_digest, remove_created)
@@ -63,7 +63,6 @@ MTP_DIR = "mtp"
 
 RESUME_MODES = ("auto", "resume", "restart")
 WORKER_MODES = ("auto", "process", "thread")
-_log = logging.getLogger("atom_convert")
 
 
 @dataclass
@@ -325,13 +324,13 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
 
 def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
     """Config, generation config and tokenizer files, and the Python files their `auto_map`s load
-    with trust_remote_code (remote_code.py), with their sizes and hashes."""
-    code, _ = remote_code_files(src)
+    with trust_remote_code (safetensors_file.side_files: one that resolves outside SRC is refused,
+    never read), with their sizes and hashes."""
     copied = {}
-    for p in sorted(src.iterdir()):
-        if p.is_file() and (p.name in SIDE_FILES or p.name.endswith(SIDE_SUFFIXES) or p.name in code):
-            shutil.copy2(p, dst / p.name)
-            copied[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    for name in side_files(src):
+        p = src / name
+        shutil.copy2(p, dst / name)
+        copied[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return copied
 
 
@@ -379,7 +378,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             "auto" (default) resumes it when the source and options are unchanged, refuses otherwise;
             "resume" does the same and says when there is nothing to resume; "restart" discards it.
         wait: when another conversion into `dst` runs, wait for it instead of refusing.
-        notify: receives one-line notes (resuming, waiting); default: the "atom_convert" logger.
+        notify: receives one-line notes (resuming, waiting); default: this module's logger
+            ("atom_convert.convert", a child of the "atom_convert" logger), at INFO.
         workers: how many (layer, rank) items are converted in parallel; None: every usable core
             (the CLI's default). The output is byte-identical for every value.
         worker_mode: "auto" (default): with more than one worker, forked worker processes where
@@ -404,7 +404,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         >>> m = atom_convert.convert("DeepSeek-V3", "DeepSeek-V3-atom-gfx950", target="gfx950", tp=8)
     """
     t0 = time.perf_counter()
-    note = notify or _log.info
+    note = notify or log.info
     if resume not in RESUME_MODES:
         raise BadInputError(f"resume={resume!r}; choose one of {', '.join(RESUME_MODES)}")
     size = parse_size(shard_size)

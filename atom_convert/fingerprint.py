@@ -27,23 +27,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .remote_code import remote_code_files
+from .errors import BadInputError
+from .safetensors_file import (INDEX_NAME, SIDE_FILES, SIDE_SUFFIXES, SINGLE_NAME, header_bytes, member_problem,
+                               select_side_files, weight_files)
 
-# Files copied from SRC beside the shards (whatever of them exists); they are part of DST,
-# so they are part of the source fingerprint.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-              "chat_template.jinja", "tiktoken.model")
-SIDE_SUFFIXES = (".tiktoken",)
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit; a larger length is hashed as "unreadable"
+# Re-exported: the files copied from SRC beside the shards are part of DST, so they are part of
+# the source fingerprint (safetensors_file.select_side_files names them).
+__all__ = ["INDEX_NAME", "SIDE_FILES", "SIDE_SUFFIXES", "SINGLE_NAME", "Fingerprint", "options_fingerprint",
+           "source_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -80,42 +75,51 @@ def _sha(data: bytes) -> str:
 
 
 def _weight_files(src: Path) -> list[str]:
-    """The safetensors files the checkpoint uses: the index's (when it is readable), else the single file."""
-    index = src / INDEX_NAME
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_bytes()).get("weight_map")
-        except (ValueError, AttributeError):
-            wm = None
-        if isinstance(wm, dict):
-            return sorted({v for v in wm.values() if isinstance(v, str)})
-        return []  # an unreadable index: its bytes are still a part
-    return [SINGLE_NAME] if (src / SINGLE_NAME).is_file() else []
+    """The safetensors files the checkpoint uses (safetensors_file.weight_files: the index's, else
+    the single file), each checked later on its own (`_part`); [] when the index is unreadable or
+    refused (its bytes, or its refusal, are still a part)."""
+
+    def index_only(rel: str, what: str) -> str | None:
+        if rel != INDEX_NAME:
+            return None
+        problem = member_problem(src, rel, what)
+        return None if problem is None else problem[1]
+
+    try:
+        return weight_files(src, index_only)[1]
+    except BadInputError:
+        return []
 
 
 def _header_part(path: Path) -> str:
-    """'size:sha256(8-byte length + JSON header)', or a marker when the file is absent or not safetensors."""
+    """'size:sha256(8-byte length + JSON header)' (safetensors_file.header_bytes: the JSON only when
+    its length is within safetensors' limit and the file)."""
+    size, head = header_bytes(path)
+    return f"{size}:{_sha(head)}"
+
+
+def _part(root: Path, rel: str, read: Any) -> str:
+    """`read(path)` of the file `rel` of SRC, or a marker when it is absent, a directory, or refused
+    by the one symlink policy (safetensors_file.member_problem: then it is never opened)."""
+    problem = member_problem(root, rel, rel)
+    if problem is not None:
+        return {"missing": "missing", "dangling": "missing", "directory": "directory"}.get(problem[0],
+                                                                                           f"refused:{problem[0]}")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) == 8:
-                (hlen,) = struct.unpack("<Q", head)
-                if hlen <= min(_MAX_HEADER, size - 8):
-                    head += f.read(hlen)
+        return read(root / rel)
     except FileNotFoundError:
         return "missing"
     except IsADirectoryError:
         return "directory"
-    return f"{size}:{_sha(head)}"
 
 
 def source_fingerprint(src: str | os.PathLike[str]) -> Fingerprint:
     """Fingerprint of a Hugging Face checkpoint folder from its metadata (see the module docstring).
 
-    Reads config.json, the index, each safetensors header and the side files; never tensor data.
-    Never raises for a malformed checkpoint (absent or malformed files are parts of their own);
-    OSError for an unreadable one.
+    Reads config.json, the index, each safetensors header and the side files; never tensor data,
+    nor a file that resolves outside SRC (its part says it was refused). Never raises for a
+    malformed checkpoint (absent or malformed files are parts of their own); OSError for an
+    unreadable one.
 
     Example:
         >>> fp = source_fingerprint("DeepSeek-V3")
@@ -123,17 +127,14 @@ def source_fingerprint(src: str | os.PathLike[str]) -> Fingerprint:
     """
     root = Path(src)
     parts: dict[str, str] = {}
-    for name in (INDEX_NAME,):
-        p = root / name
-        if p.is_file():
-            parts[name] = _sha(p.read_bytes())
+    if (root / INDEX_NAME).is_file():
+        parts[INDEX_NAME] = _part(root, INDEX_NAME, lambda p: _sha(p.read_bytes()))
     for name in _weight_files(root):
-        parts[name] = _header_part(root / name)
+        parts[name] = _part(root, name, _header_part)
     if root.is_dir():
-        code = set(remote_code_files(root)[0])  # the *.py files a trust_remote_code config loads
-        for p in sorted(root.iterdir()):
-            if p.is_file() and (p.name in SIDE_FILES or p.name.endswith(SIDE_SUFFIXES) or p.name in code):
-                parts[p.name] = _sha(p.read_bytes())
+        side = select_side_files(root)  # configs, tokenizer, the *.py files a trust_remote_code config loads
+        for name in sorted([*side.names, *side.refused]):
+            parts[name] = "refused" if name in side.refused else _sha((root / name).read_bytes())
     return Fingerprint("source", parts)
 
 

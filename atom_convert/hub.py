@@ -45,7 +45,7 @@ from typing import Any, Iterator
 from . import __version__
 from .errors import BadInputError, CheckpointError, ConvertedCheckError, HubOfflineError
 from .manifest import AITER_REVISION, ATOM_REVISION, FORMAT_VERSION, MANIFEST_NAME, sha256_file
-from .fingerprint import SIDE_FILES
+from .safetensors_file import SIDE_FILES, SIDE_SUFFIXES, auto_map_modules
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 from .staging import OLD_SUFFIX
 
@@ -84,20 +84,16 @@ def parse_repo_spec(src: str | Path, revision: str | None = None) -> RepoSpec | 
 
 
 def auto_map_files(*configs: dict[str, Any]) -> list[str]:
-    """The *.py files that configs' auto_map entries reference ("module.Class" -> module.py);
-    entries of another repo ("org/repo--module.Class") are not in this repo and are skipped."""
-    out: set[str] = set()
-    for cfg in configs:
-        for value in (cfg.get("auto_map") or {}).values():
-            for ref in value if isinstance(value, list) else [value]:
-                if isinstance(ref, str) and "--" not in ref and "." in ref:
-                    out.add(ref.rsplit(".", 1)[0].replace(".", "/") + ".py")
-    return sorted(out)
+    """The *.py files that configs' auto_map entries reference ("module.Class" -> module.py), each
+    once (safetensors_file.auto_map_modules: entries of another repo, "org/repo--module.Class",
+    are not in this repo and are skipped)."""
+    return sorted({f for cfg in configs for f in auto_map_modules(cfg)})
 
 
 def allow_patterns(config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> list[str]:
     """The snapshot patterns a conversion needs: configs, index, safetensors, tokenizer, auto_map code."""
-    return [*SIDE_FILES, INDEX_NAME, "*.safetensors", "*.tiktoken", *auto_map_files(config, tokenizer_config or {})]
+    return [*SIDE_FILES, INDEX_NAME, "*.safetensors", *("*" + s for s in SIDE_SUFFIXES),
+            *auto_map_files(config, tokenizer_config or {})]
 
 
 def _hub_error(e: Exception, spec: RepoSpec) -> BadInputError:
@@ -229,10 +225,6 @@ class HubSource(SourceCheckpoint):
     def after_fork(self) -> None:
         super().after_fork()
         self._lock = threading.Lock()
-
-    def wait_all(self) -> None:
-        for f in self.files:
-            self.wait(f)
 
     def file_sizes(self) -> dict[str, int]:
         return {f: self._remote[f].size for f in self.files}

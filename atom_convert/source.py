@@ -12,16 +12,12 @@ serialised the workers on the kernel's mmap lock (BENCHMARKS.md, issue 9).
 from __future__ import annotations
 
 import ctypes
-import json
-import math
 import mmap
 import os
-import stat
-import struct
 import threading
 import weakref
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -29,11 +25,10 @@ import torch
 from .errors import BadInputError, CheckpointError, ConfigError, json_kind
 from .quant.formats import DTYPE_FROM_ST
 from .quant.values import ValueGuard
+from .safetensors_file import (INDEX_NAME, SINGLE_NAME, check_length, check_member, load_json, os_error, read_header,
+                               side_files, weight_files)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit (MAX_HEADER_SIZE)
-_FIX_FILE = "Re-download the file; compare its size with the one on the Hub."
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "TensorInfo", "load_json", "read_safetensors_header"]
 
 
 @dataclass(frozen=True)
@@ -46,148 +41,14 @@ class TensorInfo:
     begin: int = 0  # offset of the data in the file's data section (after the header)
 
 
-def _is_count(v: Any) -> bool:
-    """A JSON integer >= 0 (safetensors' usize); JSON true/false are not integers."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _no_duplicates(where: str) -> Any:
-    """json object_pairs_hook: Python keeps the last of two equal keys silently; a header or
-    config with one key twice is ambiguous (which tensor is meant?), so it is refused."""
-
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise CheckpointError(f"{where}: key {k!r} appears twice in one JSON object; which one is meant is "
-                                      f"ambiguous", hint="Remove the duplicate (the file is damaged or hand-edited).")
-            out[k] = v
-        return out
-
-    return hook
-
-
-def load_json(path: Path, what: str) -> Any:
-    """Parse a JSON file of SRC, refusing duplicate keys; errors name the file."""
-    try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise _os_error(path, e) from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates(str(path)))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
-
-
-def _os_error(path: Path, e: OSError) -> BadInputError:
-    if isinstance(e, PermissionError):
-        return BadInputError(f"{path}: permission denied while reading it; make it readable by this user "
-                             f"(e.g. chmod a+r) or run as its owner")
-    if isinstance(e, IsADirectoryError):
-        return BadInputError(f"{path}: is a directory, expected a file")
-    return BadInputError(f"{path}: cannot be read ({e.strerror or e}); check the file and the disk")
-
-
-def _validate_entries(name: str, header: dict[str, Any], data_size: int) -> list[str]:
-    """Every entry against the safetensors format (the rules `safe_open` enforces, so that a file
-    accepted here is never refused later mid-stream): dtype a string, shape a list of integers
-    >= 0, data_offsets [begin, end] with end - begin = dtype size x elements, and the spans
-    back to back from byte 0 of the data section to its end, in some order."""
-    problems = []
-    meta = header.get("__metadata__")
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        problems.append(f"{name}: __metadata__ is {json_kind(meta)}, expected an object of strings")
-    spans: list[tuple[int, int, str]] = []
-    for tensor, entry in header.items():
-        if tensor == "__metadata__":
-            continue
-        where = f"{name}: tensor {tensor!r}"
-        if not isinstance(entry, dict):
-            problems.append(f"{where}: entry is {json_kind(entry)}, expected an object with dtype, shape, data_offsets")
-            continue
-        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
-        if missing:
-            problems.append(f"{where}: entry has no {', '.join(missing)} (has {sorted(entry)})")
-            continue
-        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        ok = True
-        if not isinstance(dtype, str):
-            problems.append(f"{where}: dtype is {json_kind(dtype)} {dtype!r}, expected a string such as 'BF16'")
-            ok = False
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-            problems.append(f"{where}: shape {shape!r} is not a list of integers >= 0")
-            ok = False
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_count(o) for o in offs) and offs[0] <= offs[1]):
-            problems.append(f"{where}: data_offsets {offs!r} is not [begin, end] with integers 0 <= begin <= end")
-            continue
-        spans.append((offs[0], offs[1], tensor))
-        dt = DTYPE_FROM_ST.get(dtype) if ok else None
-        if dt is not None:
-            want = math.prod(shape) * dt.itemsize
-            if offs[1] - offs[0] != want:
-                problems.append(f"{where}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but dtype {dtype} x "
-                                f"shape {shape} is {want} bytes")
-    pos, prev = 0, None
-    for b, e, tensor in sorted(spans):
-        if b < pos:
-            problems.append(f"{name}: tensor {tensor!r} (bytes {b}..{e}) overlaps tensor {prev!r} (which ends at {pos})")
-        elif b > pos:
-            problems.append(f"{name}: bytes {pos}..{b} of the data belong to no tensor (a gap before {tensor!r}); "
-                            f"safetensors stores tensors back to back")
-        pos, prev = max(pos, e), tensor
-    if not problems and pos > data_size:
-        problems.append(f"{name}: truncated: its tensors need {pos} data bytes, the file holds {data_size}")
-    elif not problems and pos < data_size:
-        problems.append(f"{name}: {data_size - pos} bytes after the last tensor belong to no tensor "
-                        f"(safetensors files end with their last tensor)")
-    return problems
-
-
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """Parse and validate a safetensors header; returns (header dict, data start offset).
 
     Raises CheckpointError naming the file (and the tensor) for a malformed or
-    truncated file, BadInputError for one that cannot be read.
+    truncated file, BadInputError for one that cannot be read (safetensors_file.read_header).
     """
-    try:
-        size = path.stat().st_size
-        f = open(path, "rb")
-    except OSError as e:
-        raise _os_error(path, e) from None
-    with f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path.name}: not a safetensors file ({size} bytes, expected at least 8)",
-                                  hint=_FIX_FILE)
-        (hlen,) = struct.unpack("<Q", raw)
-        if hlen > _MAX_HEADER:
-            raise CheckpointError(
-                f"{path.name}: not a safetensors file: header length {hlen} bytes exceeds safetensors' limit of "
-                f"{_MAX_HEADER} bytes (file size {size} bytes)", hint=_FIX_FILE)
-        if 8 + hlen > size:
-            raise CheckpointError(
-                f"{path.name}: truncated or not a safetensors file: header length {hlen} bytes, file size {size} bytes",
-                hint=_FIX_FILE)
-        try:
-            header = json.loads(f.read(hlen), object_pairs_hook=_no_duplicates(f"{path.name}: safetensors header"))
-        except ValueError as e:
-            raise CheckpointError(f"{path.name}: safetensors header is not valid JSON ({e})", hint=_FIX_FILE) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path.name}: safetensors header is {json_kind(header)}, expected a JSON object "
-                              f"(tensor name -> dtype, shape, data_offsets)", hint=_FIX_FILE)
-    start = 8 + hlen
-    # Truncation first, with the whole file's numbers: the usual cause is an interrupted download.
-    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-            and _is_count(e["data_offsets"][1])]
-    if ends and start + max(ends) > size:
-        raise CheckpointError(
-            f"{path.name}: truncated: its header says the data ends at byte {start + max(ends)}, "
-            f"but the file has {size} bytes", hint=_FIX_FILE)
-    problems = _validate_entries(path.name, header, size - start)
-    if problems:
-        raise CheckpointError(problems, hint=_FIX_FILE)
-    return header, start
+    h = read_header(path)
+    return h.header, h.data_start
 
 
 _PAGE = mmap.PAGESIZE
@@ -206,11 +67,11 @@ class _MappedFile:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            raise _os_error(path, e) from None
+            raise os_error(path, e) from None
         try:
-            (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            self.data_start = 8 + hlen
-            self.mm = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+            size = os.fstat(fd).st_size
+            self.data_start = 8 + check_length(os.pread(fd, 8, 0), size, path.name)
+            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
         # The mapping's address, for madvise; this export also keeps the mapping from being
@@ -237,14 +98,6 @@ class _MappedFile:
             self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
-def _under(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 class SourceCheckpoint:
     """The tensors of one checkpoint directory, indexed by name, read lazily.
 
@@ -267,7 +120,8 @@ class SourceCheckpoint:
         cfg = self.path / "config.json"
         if not os.path.lexists(cfg):
             raise BadInputError(f"{cfg}: missing; a Hugging Face checkpoint folder needs config.json")
-        self._check_file("config.json", "config.json")
+        # A side file (config.json among them) that resolves outside SRC is refused before any is read.
+        side_files(self.path)
         config = load_json(cfg, "config.json")
         if not isinstance(config, dict):
             raise ConfigError(f"{cfg}: is {json_kind(config)}, expected a JSON object of model settings")
@@ -284,89 +138,13 @@ class SourceCheckpoint:
 
     # -- indexing --------------------------------------------------------------------
     def _check_file(self, rel: str, what: str) -> str | None:
-        """Why the file `rel` of SRC cannot be read as `what` (None if it can)."""
-        if "\0" in rel:
-            return f"{what}: path {rel!r} holds a NUL character"
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts or not pure.parts:
-            return (f"{what}: path {rel!r} leaves the checkpoint folder; shard paths must be relative to SRC, "
-                    f"without '..'")
-        p = self.path / rel
-        try:
-            real = p.resolve()
-        except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
-            return f"{what}: {rel} cannot be resolved ({e})"
-        if not _under(real, self._root):
-            # A Hugging Face cache snapshot (hub/models--org--name/snapshots/REV/) links every file
-            # to ../../blobs/HASH: the one place outside SRC a checkpoint legitimately lives.
-            blobs = self._root.parent.parent / "blobs"
-            if not (self._root.parent.name == "snapshots" and _under(real, blobs)):
-                return (f"{what}: {rel} is a symlink to {real}, outside the checkpoint folder {self._root}; "
-                        f"atom-convert reads only files inside SRC (a Hugging Face cache snapshot's blobs/ "
-                        f"excepted): copy the file into SRC")
-        try:
-            st = real.stat()
-        except FileNotFoundError:
-            if p.is_symlink():
-                return f"{what}: {rel} is a dangling symlink (to {real})"
-            return f"{what}: {rel} does not exist"
-        except OSError as e:
-            return f"{what}: {rel} cannot be read: {_os_error(p, e)}"
-        if stat.S_ISDIR(st.st_mode):
-            return f"{what}: {rel} is a directory, expected a safetensors file"
-        if not stat.S_ISREG(st.st_mode):
-            return f"{what}: {rel} is not a regular file (a device, FIFO or socket); expected a safetensors file"
-        return None
-
-    def _require_file(self, rel: str, what: str) -> None:
-        problem = self._check_file(rel, what)
-        if problem:
-            raise CheckpointError(problem)
-
-    def _read_index(self, index: Path) -> dict[str, str]:
-        self._require_file(INDEX_NAME, INDEX_NAME)
-        data = load_json(index, INDEX_NAME)
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{INDEX_NAME}: is {json_kind(data)}, expected a JSON object with a weight_map")
-        wm = data.get("weight_map")
-        if not isinstance(wm, dict):
-            raise CheckpointError(
-                f"{INDEX_NAME}: weight_map is {'missing' if 'weight_map' not in data else json_kind(wm)}, expected an "
-                f"object mapping each tensor name to its shard file",
-                hint="Re-download the index, or remove it when the checkpoint is one model.safetensors.")
-        if not wm:
-            raise CheckpointError(f"{INDEX_NAME}: weight_map is empty (no tensor is mapped to a file)",
-                                  hint="Re-download the index, or remove it when the checkpoint is one model.safetensors.")
-        bad = [f"{INDEX_NAME}: weight_map[{k!r}] is {json_kind(v)} {v!r}, expected a shard file name"
-               for k, v in wm.items() if not (isinstance(v, str) and v)]
-        if bad:
-            raise CheckpointError(bad)
-        return wm
+        """Why the file `rel` of SRC cannot be read as `what` (None if it can): the one symlink
+        policy of safetensors_file.member_problem."""
+        return check_member(self.path, rel, what, self._root)
 
     def _scan(self) -> None:
         problems: list[str] = []
-        index = self.path / INDEX_NAME
-        weight_map: dict[str, str] | None = None
-        if os.path.lexists(index):
-            self.index_file = INDEX_NAME
-            weight_map = self._read_index(index)
-            files = sorted(set(weight_map.values()))
-            for f in files:
-                problem = self._check_file(f, INDEX_NAME)
-                if problem:
-                    n = sum(1 for v in weight_map.values() if v == f)
-                    problems.append(f"{problem} (it holds {n} tensors)" if "does not exist" not in problem else
-                                    f"{INDEX_NAME} names {f} ({n} tensors), but the file does not exist")
-        elif os.path.lexists(self.path / SINGLE_NAME):
-            self._require_file(SINGLE_NAME, SINGLE_NAME)
-            files = [SINGLE_NAME]
-        else:
-            raise CheckpointError(
-                f"{self.path}: no {SINGLE_NAME} and no {INDEX_NAME}",
-                hint="Point SRC at the folder holding the checkpoint's safetensors files.",
-            )
-        if problems:
-            raise CheckpointError(problems, hint="Download the missing files, or fix the index.")
+        self.index_file, files, weight_map = weight_files(self.path, self._check_file)
         self.files = files
         for f in files:
             try:

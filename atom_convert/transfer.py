@@ -23,11 +23,9 @@ not 16-byte aligned is copied into its own allocation (`CPU_VIEW_ALIGN`).
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
-import struct
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -36,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .errors import BadInputError
+from . import safetensors_file
+from .errors import BadInputError, ConvertedCheckError
 from .inflight import InFlight, join_in_steps
 
 log = logging.getLogger(__name__)
@@ -67,25 +66,21 @@ class Header:
     entries: dict[str, tuple[str, tuple[int, ...], int, int]]  # name -> (st dtype, shape, begin, end)
 
 
+_FIX_CONVERTED = "The converted directory is incomplete or damaged: convert again."
+
+
+def _converted_error(problems: list[str], fix: str) -> BadInputError:
+    return ConvertedCheckError("\n".join(problems) + f"\n{fix}")
+
+
 def read_header(path: Path) -> Header:
-    """A safetensors file's header: where each tensor's bytes lie (reads the header only)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("shorter than 8 bytes")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8:
-                raise ValueError(f"header length {n} exceeds the file ({size} bytes)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: missing; the converted directory is incomplete, convert again") from None
-    except ValueError as e:
-        raise BadInputError(f"{path}: not a safetensors file ({e}); convert again") from None
-    header.pop("__metadata__", None)
-    entries = {k: (v["dtype"], tuple(v["shape"]), v["data_offsets"][0], v["data_offsets"][1]) for k, v in header.items()}
-    return Header(path=path, data_start=8 + n, file_size=size, entries=entries)
+    """A converted safetensors file's header: where each tensor's bytes lie (reads the header only,
+    validated as every safetensors header is: safetensors_file.read_header). ConvertedCheckError
+    (a BadInputError) naming the file and the tensor for a missing or malformed file."""
+    h = safetensors_file.read_header(path, name=str(path), fix=_FIX_CONVERTED, error=_converted_error)
+    entries = {k: (v["dtype"], tuple(v["shape"]), v["data_offsets"][0], v["data_offsets"][1])
+               for k, v in h.tensors.items()}
+    return Header(path=path, data_start=h.data_start, file_size=h.size, entries=entries)
 
 
 @dataclass
