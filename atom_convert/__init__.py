@@ -6,13 +6,13 @@ Public API: `convert`, `open_converted`, `load_into`, `ensure_converted`, `uploa
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
-from .convert import convert  # noqa: E402
+from .engine.convert import convert  # noqa: E402
 from .errors import AtomConvertError, BadInputError  # noqa: E402
-from .load import LoadStats, load_into  # noqa: E402
-from .cache import ensure_converted  # noqa: E402
-from .hub import upload  # noqa: E402
-from .reader import ConvertedCheckpoint, open_converted  # noqa: E402
+from .serve.load import LoadStats, load_into  # noqa: E402
+from .engine.cache import ensure_converted  # noqa: E402
+from .hub.repo import upload  # noqa: E402
+from .store.reader import ConvertedCheckpoint, open_converted  # noqa: E402
 
 __all__ = ["convert", "open_converted", "load_into", "LoadStats", "ensure_converted", "upload", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]

@@ -23,8 +23,8 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from .model import ModelSpec
-from .quant.fp8_block import block_quant, scale_grid
+from .layout.model import ModelSpec
+from .layout.codecs.fp8_block import block_quant, scale_grid
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -282,7 +282,7 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from .workers import usable_cores
+    from .engine.workers import usable_cores
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from atom_convert.loaders.deepseek import mla_operands
-from atom_convert.model import ModelSpec
-from atom_convert.quant.fnuz import fnuz_normalize
-from atom_convert.quant.fp8_block import block_dequant
-from atom_convert.quant.formats import FP8_DTYPE_BY_TARGET
-from atom_convert.quant.shuffle import shuffle16
+from atom_convert.layout.arch.deepseek import mla_operands
+from atom_convert.layout.model import ModelSpec
+from atom_convert.layout.codecs.fnuz import fnuz_normalize
+from atom_convert.layout.codecs.fp8_block import block_dequant
+from atom_convert.files.dtypes import FP8_DTYPE_BY_TARGET
+from atom_convert.layout.codecs.shuffle import shuffle16
 
 BF16 = torch.bfloat16
 BLOCK = 128

@@ -135,12 +135,12 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
 # Switches that were module constants and are now keyword options of the objects that use them
 # (issue 27): a --variant may name either form, and each works on this package and on older ones.
 OPTION_OF_CONSTANT = {
-    "atom_convert.prefetch.GATE": "atom_convert.prefetch.Prefetcher.gate",
-    "atom_convert.prefetch.POPULATE": "atom_convert.prefetch.Prefetcher.populate",
-    "atom_convert.prefetch.STEP": "atom_convert.prefetch.Prefetcher.step",
-    "atom_convert.prefetch.GATE_TIMEOUT_S": "atom_convert.prefetch.Prefetcher.gate_timeout_s",
-    "atom_convert.writer.HASH_FROM_MAP": "atom_convert.writer.ShardSetWriter.hash_from_map",
-    "atom_convert.writer._HASH_READ": "atom_convert.writer.ShardSetWriter.hash_read",
+    "atom_convert.engine.prefetch.GATE": "atom_convert.engine.prefetch.Prefetcher.gate",
+    "atom_convert.engine.prefetch.POPULATE": "atom_convert.engine.prefetch.Prefetcher.populate",
+    "atom_convert.engine.prefetch.STEP": "atom_convert.engine.prefetch.Prefetcher.step",
+    "atom_convert.engine.prefetch.GATE_TIMEOUT_S": "atom_convert.engine.prefetch.Prefetcher.gate_timeout_s",
+    "atom_convert.engine.writer.HASH_FROM_MAP": "atom_convert.engine.writer.ShardSetWriter.hash_from_map",
+    "atom_convert.engine.writer._HASH_READ": "atom_convert.engine.writer.ShardSetWriter.hash_read",
 }
 CONSTANT_OF_OPTION = {v: k for k, v in OPTION_OF_CONSTANT.items()}
 
@@ -218,12 +218,12 @@ def child_bound(src: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import inspect
 
     import atom_convert
-    from atom_convert.convert import make_plan
-    from atom_convert.source import SourceCheckpoint
+    from atom_convert.engine.convert import make_plan
+    from atom_convert.files.source import SourceCheckpoint
 
     if "workers" not in inspect.signature(atom_convert.convert).parameters:
         return {}  # a package state from before --workers: no bound
-    from atom_convert import workers
+    from atom_convert.engine import workers
 
     plan = make_plan(SourceCheckpoint(src), target=opts["target"], tp=opts["tp"])
     groups = plan.main.groups + (plan.mtp.groups if plan.mtp else [])
@@ -615,7 +615,7 @@ def tree_text(peak: dict[str, Any], sampler: str) -> str:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """'no-gate:atom_convert.prefetch.Prefetcher.gate=false,atom_convert.prefetch.Prefetcher.step=8388608'
+    """'no-gate:atom_convert.engine.prefetch.Prefetcher.gate=false,atom_convert.engine.prefetch.Prefetcher.step=8388608'
     -> (name, {target: value}); a target is checked in the conversion's process (apply_variant)."""
     name, _, rest = text.partition(":")
     patch = {}
@@ -704,8 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: auto, process, thread (convert's worker_mode; default auto)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.CLASS.OPTION=VALUE[,...]",
                     help="a configuration with keyword options of the conversion's objects set in its process "
-                         "(VALUE is JSON), e.g. no-gate:atom_convert.prefetch.Prefetcher.gate=false or "
-                         "readback:atom_convert.writer.ShardSetWriter.hash_from_map=false; MODULE.NAME sets a "
+                         "(VALUE is JSON), e.g. no-gate:atom_convert.engine.prefetch.Prefetcher.gate=false or "
+                         "readback:atom_convert.engine.writer.ShardSetWriter.hash_from_map=false; MODULE.NAME sets a "
                          "module constant (older packages; their switch names map to the options, "
                          "OPTION_OF_CONSTANT); repeatable; 'NAME:' alone is the code as it is. Default: one "
                          "variant, as it is")

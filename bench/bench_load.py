@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import atom_convert
-    from atom_convert.load import module_tree, rank_view
+    from atom_convert.serve.load import module_tree, rank_view
     from atom_convert.synth import build_random
     from bench_convert import bench_config
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # verify through the loader on the GPU (tiny checkpoint, tp 2)
     from atom_convert.synth import build_tiny
-    from atom_convert.verify import verify
+    from atom_convert.check.verify import verify
 
     tiny = args.workdir / "tiny"
     if not (tiny / "src" / "config.json").exists():

@@ -1,4 +1,4 @@
-"""Cost of the streaming value checks (atom_convert/quant/values.py) against the work the
+"""Cost of the streaming value checks (atom_convert/files/values.py) against the work the
 conversion does on the same bytes anyway.
 
 Measures, in this process, on random data at DeepSeek-V3 width:
@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
-from atom_convert.postload import MOE
-from atom_convert.quant.base import LinearData
-from atom_convert.quant.shuffle import shuffle16
-from atom_convert.quant.values import ValueGuard
+from atom_convert.layout.postload import MOE
+from atom_convert.layout.codecs.base import LinearData
+from atom_convert.layout.codecs.shuffle import shuffle16
+from atom_convert.files.values import ValueGuard
 
 
 def fp8_weight(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:

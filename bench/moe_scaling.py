@@ -6,7 +6,7 @@ producer work scales with processes (each its own interpreter, GIL and address s
 threads, the limit is one the threads share (the GIL, or the one address space's page-fault and
 TLB-shootdown costs), and converting the expert loop in processes is the way on.
 
-What it runs: the real producers of the plan's largest MoE group (`atom_convert.convert.make_plan`,
+What it runs: the real producers of the plan's largest MoE group (`atom_convert.engine.convert.make_plan`,
 the w13/w2 outputs with expert units), cut into (rank, expert range) items as the converter cuts
 them, each item's chunks written one after another into its worker's own scratch file (or, with
 `--sink null`, dropped after production). Threads pull items from one queue; processes are forked
@@ -38,12 +38,12 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from atom_convert import buffers  # noqa: E402
-from atom_convert import workers as workers_mod  # noqa: E402
-from atom_convert.convert import make_plan  # noqa: E402
-from atom_convert.plan import Group, OutTensor  # noqa: E402
-from atom_convert.source import SourceCheckpoint  # noqa: E402
-from atom_convert.writer import _as_bytes  # noqa: E402  the writer's own zero-copy byte view
+from atom_convert.layout import buffers  # noqa: E402
+from atom_convert.engine import workers as workers_mod  # noqa: E402
+from atom_convert.engine.convert import make_plan  # noqa: E402
+from atom_convert.layout.plan import Group, OutTensor  # noqa: E402
+from atom_convert.files.source import SourceCheckpoint  # noqa: E402
+from atom_convert.engine.writer import _as_bytes  # noqa: E402  the writer's own zero-copy byte view
 
 
 def moe_group(src: SourceCheckpoint, target: str, tp: int) -> tuple[Group, list[OutTensor]]:

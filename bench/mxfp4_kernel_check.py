@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-from atom_convert.quant.mxfp4 import dynamic_mxfp4_quant, mxfp4_dequant
+from atom_convert.layout.codecs.mxfp4 import dynamic_mxfp4_quant, mxfp4_dequant
 
 
 def load_kernel(path: Path):

@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from atom_convert import procs as procs_mod  # noqa: E402
-from atom_convert import workers as workers_mod  # noqa: E402
-from atom_convert import writer as writer_mod  # noqa: E402
+from atom_convert.engine import procs as procs_mod  # noqa: E402
+from atom_convert.engine import workers as workers_mod  # noqa: E402
+from atom_convert.engine import writer as writer_mod  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -24,7 +24,7 @@ import torch
 
 from atom_convert import convert
 from atom_convert.synth import build_random, load_preset
-from atom_convert.verify import format_table, verify
+from atom_convert.check.verify import format_table, verify
 
 MODELS = {
     "deepseek-v3": dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, n_group=8, topk_group=4,

@@ -26,7 +26,7 @@ import signal
 import sys
 from typing import Any, Iterator
 
-from atom_convert.writer import FaultHook
+from atom_convert.engine.writer import FaultHook
 
 
 class SignalAtByte(FaultHook):
@@ -68,7 +68,7 @@ def installed(hook: FaultHook | None) -> Iterator[FaultHook | None]:
     """While inside, every conversion in this process (and its forked workers) writes through
     `hook`: the conversion driver's `FaultHook` name is replaced by one whose `from_env()`
     returns it (production's returns None), and put back on the way out."""
-    convert_mod = importlib.import_module("atom_convert.convert")  # the package attribute is the function
+    convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
 
     class Installed(FaultHook):
         @staticmethod

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from atom_convert import workers
-from atom_convert.convert import make_plan
-from atom_convert.source import SourceCheckpoint
+from atom_convert.engine import workers
+from atom_convert.engine.convert import make_plan
+from atom_convert.files.source import SourceCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "tiny-deepseek-v3"

@@ -16,11 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(sys.argv[1]) / "bench"))
 import bench_convert as b
 import atom_convert
-b.apply_variant({"atom_convert.prefetch.GATE": False,                           # the old constant's name
-                 "atom_convert.prefetch.Prefetcher.step": 8192,                 # the option itself
-                 "atom_convert.writer.HASH_FROM_MAP": False,
-                 "atom_convert.writer.ShardSetWriter.hash_read": 4096})
-conv = importlib.import_module("atom_convert.convert")
+b.apply_variant({"atom_convert.engine.prefetch.GATE": False,                           # the old constant's name
+                 "atom_convert.engine.prefetch.Prefetcher.step": 8192,                 # the option itself
+                 "atom_convert.engine.writer.HASH_FROM_MAP": False,
+                 "atom_convert.engine.writer.ShardSetWriter.hash_read": 4096})
+conv = importlib.import_module("atom_convert.engine.convert")
 p = conv.Prefetcher(None, 0, lambda i: [])
 p.close()
 assert (p._gate, p._step) == (False, 8192), vars(p)
@@ -29,9 +29,9 @@ p.close()
 assert p._gate is True
 w = conv.ShardSetWriter(Path(tempfile.mkdtemp()), "", [], [], None)
 assert (w.hash_from_map, w.hash_read) == (False, 4096)
-assert isinstance(w, importlib.import_module("atom_convert.writer").ProcessShardWriter.__mro__[1])
+assert isinstance(w, importlib.import_module("atom_convert.engine.writer").ProcessShardWriter.__mro__[1])
 try:
-    b.apply_variant({"atom_convert.prefetch.Prefetcher.no_such_option": 1})
+    b.apply_variant({"atom_convert.engine.prefetch.Prefetcher.no_such_option": 1})
 except SystemExit as e:
     assert "no_such_option" in str(e)
 else:

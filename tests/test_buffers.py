@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import atom_convert
-from atom_convert import buffers
+from atom_convert.layout import buffers
 
 from test_workers import digest, sources  # noqa: F401  (the module fixture of fresh random checkpoints)
 

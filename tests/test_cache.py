@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import atom_convert
-from atom_convert.cache import cache_path, ensure_converted
-from atom_convert.check import check_files
+from atom_convert.engine.cache import cache_path, ensure_converted
+from atom_convert.check.tensors import check_files
 
 from cliutil import Shared
 
@@ -31,7 +31,7 @@ PRESET = "tiny-deepseek-v2-lite"  # the smallest fixture: conversions here take 
 CHILD = textwrap.dedent('''
     import json, logging, os, sys, time
     from pathlib import Path
-    import atom_convert.cache as cache
+    import atom_convert.engine.cache as cache
     logging.basicConfig(level=logging.INFO)
     conv = sys.modules["atom_convert.convert"]  # the package attribute of that name is the function
     src, cache_dir, log, go, mode = sys.argv[1:6]
@@ -123,8 +123,8 @@ def test_killed_converter_taken_over(src: Path, tmp_path: Path) -> None:
 def test_current_found_from_headers_only(src: Path, tmp_path: Path, monkeypatch) -> None:
     cache_dir = tmp_path / "cache"
     calls: list[int] = []
-    real = atom_convert.cache.convert
-    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = atom_convert.engine.cache.convert
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
     dst = ensure_converted(src, cache_dir, target="gfx950", tp=1)
     assert calls == [1] and check_files(dst).ok
     # current: found again without converting, also when every tensor byte of the source is gone
@@ -144,8 +144,8 @@ def test_current_found_from_headers_only(src: Path, tmp_path: Path, monkeypatch)
 def test_stale_cache_rebuilt(src: Path, tmp_path: Path, monkeypatch) -> None:
     cache_dir = tmp_path / "cache"
     calls: list[int] = []
-    real = atom_convert.cache.convert
-    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = atom_convert.engine.cache.convert
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
     dst = ensure_converted(src, cache_dir)
     before = json.loads((dst / "atom_manifest.json").read_text())["source"]["config_sha256"]
     cfg = json.loads((src / "config.json").read_text())
@@ -166,7 +166,7 @@ def test_fetch_step_used_before_converting(src: Path, tmp_path: Path, monkeypatc
     """The hook the Hub cache plugs into: a fetcher that places a directory means no conversion."""
     ready = tmp_path / "made-elsewhere"
     atom_convert.convert(src, ready, target="gfx950", tp=1)
-    monkeypatch.setattr(atom_convert.cache, "convert", lambda *a, **k: pytest.fail("converted despite fetch"))
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda *a, **k: pytest.fail("converted despite fetch"))
     seen = []
 
     def fetch(dst: Path, record: dict) -> bool:
@@ -207,7 +207,7 @@ def test_taker_over_restarts_a_staging_of_another_source(src: Path, tmp_path: Pa
     """A dead converter's sealed shards are resumed only when staged from the same source and
     options; staged from a source that changed since, they are discarded and the entry converted anew."""
     from atom_convert.errors import Interrupted
-    from atom_convert.writer import ShardSetWriter
+    from atom_convert.engine.writer import ShardSetWriter
 
     cache_dir = tmp_path / "cache"
     dst, _ = cache_path(src, cache_dir, shard_size="100KB")

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 import atom_convert
 from atom_convert.cli import cli
-from atom_convert.quant.formats import dtype_from_name
-from atom_convert.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
+from atom_convert.files.dtypes import dtype_from_name
+from atom_convert.files.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
 
 from cliutil import leftovers, run_cli
 

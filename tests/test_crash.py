@@ -30,9 +30,9 @@ import pytest
 
 import atom_convert
 from atom_convert.errors import BadInputError, Interrupted
-from atom_convert.staging import DestinationLock, DestPaths
-from atom_convert import writer as writer_mod
-from atom_convert.writer import ShardSetWriter, _IOThread
+from atom_convert.store.staging import DestinationLock, DestPaths
+from atom_convert.engine import writer as writer_mod
+from atom_convert.engine.writer import ShardSetWriter, _IOThread
 
 from cliutil import Shared, run_cli
 
@@ -265,7 +265,7 @@ def test_faults_reach_the_writer_only_from_its_caller(src: Path, ref: Path, shar
     import inspect
 
     import fault_launcher
-    from atom_convert import prefetch
+    from atom_convert.engine import prefetch
 
     monkeypatch.setenv("ATOM_CONVERT_TEST_SIGNAL_AT_BYTE", "1:SIGCONT")  # the variable the writer once read
     assert writer_mod.FaultHook.from_env() is None
@@ -319,7 +319,7 @@ def test_a_signal_during_the_final_rename_waits_for_it(src: Path, ref: Path, tmp
     """Ctrl-C (or SIGTERM through the CLI's handler) between the journal's removal and the
     staging directory's rename: the rename still happens, and the conversion is complete
     (interrupted there, finished shards were left with no journal to list them)."""
-    from atom_convert import staging as staging_mod
+    from atom_convert.store import staging as staging_mod
 
     real_fsync_dir = staging_mod.fsync_dir
     sent: list[int] = []
@@ -391,7 +391,7 @@ def test_ctrl_c_with_a_stuck_write_does_not_hang(src: Path, tmp_path: Path, monk
     the fix the main thread slept in join() until the stuck write returned). Not with processes:
     there the stuck write of this fake is the main thread's own (a shard's first bytes), which only
     a signal to that thread interrupts."""
-    from atom_convert import procs
+    from atom_convert.engine import procs
 
     ctx = multiprocessing.get_context("fork")
     stuck, release = ctx.Event(), ctx.Event()  # set in whichever process writes

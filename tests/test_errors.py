@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import atom_convert
-import atom_convert.postload as postload_mod
+import atom_convert.layout.postload as postload_mod
 from atom_convert import BadInputError
 from atom_convert.errors import CheckpointError, DestinationExistsError, Interrupted, UnsupportedError
-from atom_convert.source import INDEX_NAME
+from atom_convert.files.source import INDEX_NAME
 from atom_convert.synth import build_tiny, load_preset
-from atom_convert.writer import ShardFile, ShardSetWriter
+from atom_convert.engine.writer import ShardFile, ShardSetWriter
 
 from cliutil import leftovers, run_cli
 
@@ -39,7 +39,7 @@ PRESET = "tiny-deepseek-v3"
 SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
 # `atom_convert.convert` is the function (the package re-exports it); this is the module
-convert_mod = importlib.import_module("atom_convert.convert")
+convert_mod = importlib.import_module("atom_convert.engine.convert")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ from safetensors.torch import load_file, save_file
 
 import atom_convert
 from atom_convert import BadInputError
-from atom_convert.check import check_files
-from atom_convert.model import ModelSpec
-from atom_convert.quant.base import detect_format
-from atom_convert.quant.values import ValueGuard
-from atom_convert.source import INDEX_NAME
+from atom_convert.check.tensors import check_files
+from atom_convert.layout.model import ModelSpec
+from atom_convert.layout.codecs.base import detect_format
+from atom_convert.files.values import ValueGuard
+from atom_convert.files.source import INDEX_NAME
 from atom_convert.synth import CONFIG_DIR, build_random, load_preset
 from hostile_util import assert_refused, run_cli, tree_digest
 

@@ -17,7 +17,7 @@ import pytest
 
 import atom_convert
 from atom_convert.errors import BadInputError, ConvertedCheckError, HubOfflineError
-from atom_convert.hub import allow_patterns, auto_map_files, open_source, parse_repo_spec
+from atom_convert.hub.repo import allow_patterns, auto_map_files, open_source, parse_repo_spec
 from atom_convert.synth import build_tiny
 from hubserver import FakeHub
 
@@ -268,7 +268,7 @@ def hub_converted(hub: FakeHub, source_repo: str, tmp_path_factory: pytest.TempP
     """A conversion of the Hub source (tp=2), with `verify --json` saved beside its manifest."""
     from huggingface_hub import constants
 
-    from atom_convert.verify import verify
+    from atom_convert.check.verify import verify
 
     d = tmp_path_factory.mktemp("hubconv")
     with pytest.MonkeyPatch.context() as mp:
@@ -402,8 +402,8 @@ def test_ensure_converted_from_a_repo_id(hub: FakeHub, source_dir: Path, hf_cach
     first = hub.repos[repo].branches["main"]
     cache_dir = tmp_path / "cache"
     calls: list[str] = []
-    real = atom_convert.cache.convert
-    monkeypatch.setattr(atom_convert.cache, "convert", lambda src, *a, **k: calls.append(str(src)) or real(src, *a, **k))
+    real = atom_convert.engine.cache.convert
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda src, *a, **k: calls.append(str(src)) or real(src, *a, **k))
     dst = atom_convert.ensure_converted(repo, cache_dir, target="gfx950", tp=2)
     assert calls == [f"{repo}@{first}"]  # pinned to the commit the key was taken from
     assert dst.name.startswith("deepseek-ai--tiny-v3-moving-gfx950-tp2-")

@@ -18,9 +18,9 @@ from torch import nn
 
 import atom_convert
 import atom_trees as T
-from atom_convert.load import LoadMismatchError, LoadedRank, ManifestMismatchError, rank_view
-from atom_convert.reference import ConvertedModel
-from atom_convert.verify import verify
+from atom_convert.serve.load import LoadMismatchError, LoadedRank, ManifestMismatchError, rank_view
+from atom_convert.check.reference import ConvertedModel
+from atom_convert.check.verify import verify
 from conftest import FORMATS, PRESETS, TARGETS
 
 CASES = [(p, f, t) for p in PRESETS for f in FORMATS for t in TARGETS]
@@ -260,8 +260,8 @@ class _FakeCuda:
 def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
     to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned)."""
-    from atom_convert import transfer
-    from atom_convert.transfer import FileRead, TensorSlot, read_header
+    from atom_convert.serve import transfer
+    from atom_convert.serve.transfer import FileRead, TensorSlot, read_header
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
@@ -290,8 +290,8 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
     import threading
     import time
 
-    from atom_convert import transfer
-    from atom_convert.transfer import FileRead, TensorSlot, read_header
+    from atom_convert.serve import transfer
+    from atom_convert.serve.transfer import FileRead, TensorSlot, read_header
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
@@ -363,8 +363,8 @@ def test_ctrl_c_on_the_gpu_then_a_full_load_is_exact(tmp_path, monkeypatch):
 
     from safetensors.torch import save_file
 
-    from atom_convert import transfer
-    from atom_convert.transfer import FileRead, TensorSlot, read_header
+    from atom_convert.serve import transfer
+    from atom_convert.serve.transfer import FileRead, TensorSlot, read_header
 
     g = torch.Generator().manual_seed(11)
     tensors = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)

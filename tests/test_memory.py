@@ -30,10 +30,10 @@ import pytest
 import torch
 
 import atom_convert
-from atom_convert.source import SourceCheckpoint
+from atom_convert.files.source import SourceCheckpoint
 from atom_convert.synth import build_tiny, load_preset
 
-writer_mod = importlib.import_module("atom_convert.writer")
+writer_mod = importlib.import_module("atom_convert.engine.writer")
 
 PRESET = "tiny-deepseek-v3"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -29,12 +29,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import atom_convert
-from atom_convert.decode import decode_weight, unpad_moe
+from atom_convert.check.decode import decode_weight, unpad_moe
 from atom_convert.errors import BadInputError, CheckpointError, UnsupportedError
-from atom_convert.loaders.deepseek import mla_operands
-from atom_convert.quant.mxfp4 import dynamic_mxfp4_quant
-from atom_convert.reader import open_converted
-from atom_convert.verify import verify
+from atom_convert.layout.arch.deepseek import mla_operands
+from atom_convert.layout.codecs.mxfp4 import dynamic_mxfp4_quant
+from atom_convert.store.reader import open_converted
+from atom_convert.check.verify import verify
 
 from cliutil import run_cli
 
@@ -564,7 +564,7 @@ def test_mxfp4_bytes_equal_aiter_shuffle(mx_converted: Callable[..., tuple[Path,
 def test_mxfp4_values_equal_quark_dequant(mx_converted: Callable[..., tuple[Path, Path]], aiter: Any,
                                           preset: str, style: str, tp: int, bmm: str) -> None:
     """Every converted MXFP4 tensor decodes to Quark's own dequantisation of its source slice
-    (`expected` computes it with Quark's unpacker), through atom_convert.decode.decode_weight
+    (`expected` computes it with Quark's unpacker), through atom_convert.check.decode.decode_weight
     (+ unpad_moe), which verify uses; the MoE padding decodes to exact zeros. Independently, the
     shuffles undone with permutations derived from aiter's own functions give back the source
     slice's bytes and scales (so Quark's dequantisation of them is the expected value too)."""

@@ -27,9 +27,9 @@ from safetensors import safe_open
 import atom_convert
 from atom_convert.cli import main
 from atom_convert.errors import BadInputError, UnsupportedError
-from atom_convert.inspect import describe
-from atom_convert.manifest import MANIFEST_NAME, Manifest
-from atom_convert.verify import verify
+from atom_convert.check.inspect import describe
+from atom_convert.store.manifest import MANIFEST_NAME, Manifest
+from atom_convert.check.verify import verify
 
 from test_layout import Builder, source
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from atom_convert.convert import plan_summary
+from atom_convert.engine.convert import plan_summary
 from atom_convert.errors import UnsupportedError
-from atom_convert.quant.fp8_block import scale_grid
-from atom_convert.source import SourceCheckpoint
+from atom_convert.layout.codecs.fp8_block import scale_grid
+from atom_convert.files.source import SourceCheckpoint
 from atom_convert.synth import FP8_QUANT_CONFIG, quark_mxfp4_config, source_inventory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -1,4 +1,4 @@
-"""The readahead thread (atom_convert/prefetch.py): the byte ranges it reads, in item order, how
+"""The readahead thread (atom_convert/engine/prefetch.py): the byte ranges it reads, in item order, how
 far ahead it goes, the wait that holds an item until its bytes are read, and that an item's
 `needs` name every source tensor its producers read (EP and MoE-TP, fp8, bf16 and MXFP4)."""
 
@@ -15,11 +15,11 @@ from typing import Any, Callable
 import pytest
 
 import atom_convert
-from atom_convert import prefetch
-from atom_convert.prefetch import Prefetcher, byte_ranges
-from atom_convert.source import SourceCheckpoint
+from atom_convert.engine import prefetch
+from atom_convert.engine.prefetch import Prefetcher, byte_ranges
+from atom_convert.files.source import SourceCheckpoint
 
-convert_mod = importlib.import_module("atom_convert.convert")  # the package attribute is the function
+convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
 
 PRESET = "tiny-deepseek-v3"
 

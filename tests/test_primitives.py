@@ -22,13 +22,13 @@ from oracles import fp8_block_dequantize_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from atom_convert import buffers
-from atom_convert.quant import fnuz as fnuz_mod
-from atom_convert.quant.fnuz import (fnuz_normalize, fnuz_normalize_, fnuz_normalize_scan_, fnuz_scale, target_scale,
+from atom_convert.layout import buffers
+from atom_convert.layout.codecs import fnuz as fnuz_mod
+from atom_convert.layout.codecs.fnuz import (fnuz_normalize, fnuz_normalize_, fnuz_normalize_scan_, fnuz_scale, target_scale,
                                     to_target_fp8)
-from atom_convert.quant.fp8_block import block_dequant
-from atom_convert.quant.per_tensor import per_tensor_quant
-from atom_convert.quant.shuffle import shuffle16, shuffle_requirements_met, unshuffle16
+from atom_convert.layout.codecs.fp8_block import block_dequant
+from atom_convert.layout.codecs.per_tensor import per_tensor_quant
+from atom_convert.layout.codecs.shuffle import shuffle16, shuffle_requirements_met, unshuffle16
 
 FN = torch.float8_e4m3fn
 FNUZ = torch.float8_e4m3fnuz
@@ -530,7 +530,7 @@ def test_per_tensor_quant_zero_and_dtype_guard():
 def test_shuffle16_stays_on_the_input_device():
     """The reference forward unshuffles on the GPU (verify --device cuda): the result must stay on
     the input's device (checked here with the meta device, which every torch build has)."""
-    from atom_convert.quant.shuffle import shuffle16, unshuffle16
+    from atom_convert.layout.codecs.shuffle import shuffle16, unshuffle16
 
     x = torch.empty(2, 32, 64, dtype=torch.float8_e4m3fn, device="meta")
     assert shuffle16(x).device.type == "meta" and unshuffle16(x).device.type == "meta"

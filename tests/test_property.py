@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atom_convert.check import check_files
-from atom_convert.source import INDEX_NAME
+from atom_convert.check.tensors import check_files
+from atom_convert.files.source import INDEX_NAME
 from hostile_util import listing, run_cli, tree_digest
 
 PRESET = "tiny-deepseek-v3"

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import atom_trees as T
-from atom_convert.load import LoadMismatchError, ManifestMismatchError
+from atom_convert.serve.load import LoadMismatchError, ManifestMismatchError
 from atom_convert.runtime import atom_native, vllm_plugin
 from atom_convert.runtime.common import meta_parameters
 
@@ -238,7 +238,7 @@ def _atom_registered_mxfp4(model: nn.Module) -> int:
 
 def test_mxfp4_scales_registered_pre_post_load_take_the_files_shape(quark_checkpoint, tmp_path):
     import atom_convert
-    from atom_convert.load import load_into, module_tree, rank_view
+    from atom_convert.serve.load import load_into, module_tree, rank_view
 
     d = tmp_path / "q"
     atom_convert.convert(quark_checkpoint("tiny-deepseek-v3", "template"), d, target="gfx950")
@@ -356,7 +356,7 @@ def test_runner_dp_attention_engine_loads_its_engine_index_files(runner_cls, tin
     """Under DP-attention each engine has tensor_parallel_size 1 and runner rank 0 (engine_core_mgr.py
     152-162, 196-203); its files are those of parallel_config.data_parallel_rank."""
     import atom_convert
-    from atom_convert.reader import ConvertedCheckpoint
+    from atom_convert.store.reader import ConvertedCheckpoint
 
     d = tmp_path / "dpa"
     atom_convert.convert(tiny_checkpoint("tiny-deepseek-v3", "fp8"), d, target="gfx950", tp=2, dp_attention=True)

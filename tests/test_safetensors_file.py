@@ -18,25 +18,25 @@ from typing import Any, Callable
 
 import pytest
 
-from atom_convert import transfer
+from atom_convert.serve import transfer
 from atom_convert.errors import BadInputError, CheckpointError
-from atom_convert.fingerprint import source_fingerprint
-from atom_convert.hub import allow_patterns, auto_map_files
-from atom_convert.remote_code import remote_code_files
-from atom_convert.source import SourceCheckpoint, read_safetensors_header
+from atom_convert.store.fingerprint import source_fingerprint
+from atom_convert.hub.repo import allow_patterns, auto_map_files
+from atom_convert.files.sidefiles import remote_code_files
+from atom_convert.files.source import SourceCheckpoint, read_safetensors_header
 from hostile_util import assert_refused, run_cli
 
 LIMIT = 100_000_000  # safetensors' MAX_HEADER_SIZE, in bytes (not 100 MiB = 104,857,600)
 
 
 def _module():
-    from atom_convert import safetensors_file
+    from atom_convert.files import safetensors as safetensors_file
 
     return safetensors_file
 
 
 def _source_mapping(path: Path) -> int:
-    from atom_convert.source import _MappedFile
+    from atom_convert.files.source import _MappedFile
 
     return _MappedFile(path).data_start
 

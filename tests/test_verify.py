@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atom_convert.manifest import MANIFEST_NAME, sha256_file
-from atom_convert.quant.shuffle import shuffle16
-from atom_convert.source import read_safetensors_header
-from atom_convert.verify import verify
+from atom_convert.store.manifest import MANIFEST_NAME, sha256_file
+from atom_convert.layout.codecs.shuffle import shuffle16
+from atom_convert.files.source import read_safetensors_header
+from atom_convert.check.verify import verify
 
 from conftest import FORMATS, PRESETS, TARGETS
 
@@ -135,7 +135,7 @@ def test_gate_up_swapped_in_w13(converted, tiny_checkpoint, tmp_path, fmt):
     name = "model.layers.2.mlp.experts.w13_weight"
 
     def swap(t: torch.Tensor) -> torch.Tensor:
-        from atom_convert.quant.shuffle import unshuffle16
+        from atom_convert.layout.codecs.shuffle import unshuffle16
 
         plain = unshuffle16(t)
         g, u = plain.chunk(2, 1)

@@ -24,13 +24,13 @@ from typing import Any, Callable
 import pytest
 
 import atom_convert
-from atom_convert import procs
-from atom_convert import workers as wk
-from atom_convert.convert import make_plan
+from atom_convert.engine import procs
+from atom_convert.engine import workers as wk
+from atom_convert.engine.convert import make_plan
 from atom_convert.errors import AtomConvertError
-from atom_convert.source import SourceCheckpoint
+from atom_convert.files.source import SourceCheckpoint
 from atom_convert.synth import build_random, load_preset
-from atom_convert.writer import ShardSetWriter
+from atom_convert.engine.writer import ShardSetWriter
 
 from cliutil import Shared, run_cli
 
@@ -111,9 +111,9 @@ def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_pat
     """The hashing threads follow the written prefix through a mapping of the file (or read it back):
     with windows of an odd size, so that most start inside a page, every shard's sha256 in the
     manifest is hashlib's over the file as written, for workers in processes and in threads."""
-    from atom_convert import writer
+    from atom_convert.engine import writer
 
-    convert_mod = importlib.import_module("atom_convert.convert")  # the package attribute is the function
+    convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
 
     class Hashing(writer.ShardSetWriter):  # the driver's writer, made with the hashing options
         def __init__(self, *a: Any, **kw: Any):
@@ -233,7 +233,7 @@ def test_budget_bounds_the_working_set(tiny_checkpoint: Callable[..., Path], tmp
 def _in_flight(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the items handed to worker processes and not yet reported done, and their working
     sets (at most at once, and in all)."""
-    from atom_convert import procs
+    from atom_convert.engine import procs
 
     seen = {"now": 0, "max": 0, "items": 0, "cost": 0, "max_cost": 0}
     real = procs.WorkerProcesses.run_items
@@ -292,7 +292,7 @@ def test_working_set_estimate() -> None:
     """An expert stack's estimate is one expert's bytes times CHUNKS_PER_WORKER, not the stack."""
     import torch
 
-    from atom_convert.plan import Group, OutTensor
+    from atom_convert.layout.plan import Group, OutTensor
 
     def noop(rank: int, cache: dict[str, Any]) -> Any:
         return iter(())

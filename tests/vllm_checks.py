@@ -47,7 +47,7 @@ def main(with_mtp: Path, without_mtp: Path) -> int:
 
     import atom_trees as T
     from atom_convert.errors import BadInputError
-    from atom_convert.reader import ConvertedCheckpoint
+    from atom_convert.store.reader import ConvertedCheckpoint
     from atom_convert.runtime import vllm_plugin
     from atom_convert.runtime.common import meta_parameters
 

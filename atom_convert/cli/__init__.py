@@ -21,8 +21,8 @@ from typing import Any, Iterator, NoReturn
 import click
 
 from ..errors import AtomConvertError, Interrupted
-from ..profile import PROFILES
-from ..quant.formats import TARGETS
+from ..layout.profile import PROFILES
+from ..files.dtypes import TARGETS
 
 
 def _examples(*lines: str) -> str:
@@ -101,8 +101,8 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
     Shards are staged in .DST.atom-partial/ beside DST and sealed one by one; an interrupted
     conversion (Ctrl-C, SIGTERM, a kill, disk full) is continued by running the same command
     again. One conversion per DST at a time (a lock file beside DST)."""
-    from ..convert import convert as run_convert
-    from ..convert import plan_summary
+    from ..engine.convert import convert as run_convert
+    from ..engine.convert import plan_summary
 
     par = dict(ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
     if dry_run:
@@ -202,7 +202,7 @@ def _print_plan(plan: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: Path, as_json: bool) -> None:
     """Describe a source checkpoint or a converted directory."""
-    from ..inspect import describe
+    from ..check.inspect import describe
 
     info = describe(path)
     if as_json:
@@ -237,14 +237,14 @@ def verify(dst: Path, source: Path | None, layers: str | None, tokens: int, devi
     """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes; with
     --source also every tensor's decoded values and a layer-by-layer forward against
     transformers' model of the source. Exits 1 when a check or threshold fails."""
-    from ..verify import verify as run_verify
+    from ..check.verify import verify as run_verify
 
     picked = [int(x) for x in layers.split(",")] if layers else None
     _report(run_verify(dst, source, layers=picked, tokens=tokens, device=device, through_loader=through_loader), as_json)
 
 
 def _report(r: Any, as_json: bool) -> None:
-    from ..verify import format_table
+    from ..check.verify import format_table
 
     c = r.check
     if as_json:
@@ -283,7 +283,7 @@ def upload(dst: Path, repo_id: str, private: bool, revision: str | None, create_
     """Publish the converted directory DST to the Hub repo REPO_ID with a model card (README.md).
     DST's files must match its manifest (sizes and sha256). Re-running after an interruption
     skips the files the Hub already holds. HF_TOKEN (or `hf auth login`) gives write access."""
-    from ..hub import upload as run_upload
+    from ..hub.repo import upload as run_upload
 
     r = run_upload(dst, repo_id, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run,
                    base_model=base_model)
@@ -310,9 +310,9 @@ def demo(out: Path, target: str, tp: int, preset: str) -> None:
     import shutil
     import time
 
-    from ..convert import convert as run_convert
+    from ..engine.convert import convert as run_convert
     from ..synth import build_tiny
-    from ..verify import verify as run_verify
+    from ..check.verify import verify as run_verify
 
     if out.exists():
         shutil.rmtree(out)

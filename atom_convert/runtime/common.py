@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError
-from ..load import LoadStats, load_into, rank_view
-from ..manifest import MANIFEST_NAME
-from ..loaders.deepseek import ATOM_FLAG_DEFAULTS
+from ..serve.load import LoadStats, load_into, rank_view
+from ..store.manifest import MANIFEST_NAME
+from ..layout.arch.deepseek import ATOM_FLAG_DEFAULTS
 
 FP8_TARGET = {torch.float8_e4m3fnuz: "gfx942", torch.float8_e4m3fn: "gfx950"}
 

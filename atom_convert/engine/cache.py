@@ -1,0 +1,259 @@
+"""`ensure_converted`: the converted directory for a source and options, converted at most once.
+
+How it works:
+1. Fingerprints, without reading tensor data (fingerprint.py, the same ones a resumed
+   conversion checks): the source's (config.json, the index, every safetensors file's size and
+   header, the side files and remote-code files copied into DST; for a Hub repo id, the commit
+   its revision names, and offline with no way to resolve it, the entry converted earlier) and
+   the options' (everything
+   that changes the bytes: target, tp, shard size, MTP, MLA operand format, profile, the
+   parallel mode, tool version, layout revision). A serving start must not pay a re-hash of 700 GB.
+2. The directory is `CACHE/<source name>-<target>-tp<N>-<digest of the options and of where the
+   source is>` (a Hub repo's name is `org--name`); beside it
+   `<name>.cache.json` records both fingerprints. It is current when its manifest is there, every
+   file the manifest lists has its recorded size (stat only) and the record matches. A current
+   directory is returned at once, without a lock.
+3. Otherwise the caller takes the cache entry's lock (`.<name>.lock`, a `staging.FileLock`) and
+   checks again: a caller that waited while another converted finds the finished directory and
+   returns it (a finished directory is never rebuilt by a waiter). The kernel releases the lock of
+   a process that dies, so the next caller takes over, and its conversion resumes from the shards
+   the dead one sealed (staging.py) when they were staged from the same source and options;
+   otherwise they are discarded and it starts over.
+4. Under the lock, `fetch` (when given) may place a converted directory from elsewhere (a Hub repo
+   of converted shards); else the source is converted into DST, replacing a stale one. The record
+   is written last, so a crash between the two leaves a directory that is simply converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .convert import DEFAULT_SHARD_SIZE, convert, parse_size
+from ..errors import BadInputError, HubOfflineError, NotResumableError
+from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
+from ..hub.repo import RepoSpec, open_source, parse_repo_spec
+from ..store.manifest import MANIFEST_NAME
+from ..store.staging import FileLock
+
+log = logging.getLogger("atom_convert")
+
+RECORD_SUFFIX = ".cache.json"
+LOCK_SUFFIX = ".lock"
+
+Fetch = Callable[[Path, dict[str, Any]], bool]
+
+
+def _complete(dst: Path) -> bool:
+    """The manifest is there and every file it lists has its recorded size (stat only)."""
+    try:
+        m = json.loads((dst / MANIFEST_NAME).read_text())
+        return all((dst / rel).stat().st_size == meta["bytes"] for rel, meta in m["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _stale_because(record: Path, want: dict[str, Any]) -> list[str]:
+    """Why the recorded entry is not the one wanted (empty: the record matches)."""
+    try:
+        have = json.loads(record.read_text())
+        src = Fingerprint("source", have["source_parts"])
+        opts = Fingerprint("options", have["options"])
+    except FileNotFoundError:
+        return ["not converted yet"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"its record {record.name} is unreadable"]
+    why = [f"source {p} changed" for p in src.changed(Fingerprint("source", want["source_parts"]))]
+    why += [f"option {p} differs" for p in opts.changed(Fingerprint("options", want["options"]))]
+    return why
+
+
+def _current(dst: Path, record: Path, want: dict[str, Any]) -> bool:
+    return not _stale_because(record, want) and _complete(dst)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a source is (a folder, or a Hub repo) and the name its entry's directory starts with;
+    found without reading anything (`_locate`). `spec`: the repo, for a Hub source."""
+
+    location: str
+    name: str
+    spec: RepoSpec | None
+
+
+def _locate(src: str | os.PathLike[str]) -> _Source:
+    path = Path(src)
+    spec = None if path.is_dir() else parse_repo_spec(src)
+    if spec is not None:
+        return _Source(spec.repo_id, spec.repo_id.replace("/", "--"), spec)
+    if not path.is_dir():
+        raise BadInputError(f"{src}: not a directory nor a Hub repo id (org/name[@revision]); give the checkpoint "
+                            "folder (config.json and safetensors files) or a repo id")
+    if not (path / "config.json").is_file():
+        raise BadInputError(f"{src}: no config.json; this is not a Hugging Face checkpoint folder")
+    return _Source(str(path.resolve()), path.resolve().name, None)
+
+
+def _fingerprint(src: str | os.PathLike[str], where: _Source) -> tuple[Fingerprint, str]:
+    """The source's fingerprint, and what `convert` is given for it.
+
+    A Hub repo is content-addressed by its commit (as a resumed conversion from it is): its revision
+    is resolved here (configs and headers only; offline, from the local Hugging Face cache, else
+    HubOfflineError), and that commit is converted, so that the entry holds what its record says
+    even if the branch moves meanwhile."""
+    if where.spec is None:
+        return source_fingerprint(Path(src)), where.location
+    opened = open_source(str(src))
+    try:
+        commit = (opened.hub or {})["commit"]
+    finally:
+        opened.close()
+    pinned = f"{where.spec.repo_id}@{commit}"
+    return Fingerprint("source", {"hub": pinned}), pinned
+
+
+def _options(*, target: str, tp: int, shard_size: int | str, mtp: bool, mla_bmm: str, profile: str, ep: bool,
+             dp_attention: bool, shared_experts: str, mori: bool) -> Fingerprint:
+    return options_fingerprint(target=target, tp=tp, shard_size=parse_size(shard_size), mtp=mtp, mla_bmm=mla_bmm,
+                               profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
+                               mori=mori)
+
+
+def _entry(cache_dir: str | os.PathLike[str], where: _Source, opts: Fingerprint, target: str, tp: int) -> Path:
+    """The entry's directory: the source's name, target and tp, and a digest of the options and of
+    where the source is (two folders or repos of the same name get two entries)."""
+    key = hashlib.sha256(f"{opts.digest}\0{where.location}".encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{where.name}-{target}-tp{tp}-{key}"
+
+
+def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950", tp: int = 1,
+               shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
+               profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
+               mori: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The directory `ensure_converted` uses for these arguments, and the record it expects there:
+    {"source": where it is, "convert_from", "source_digest", "source_parts", "options_digest",
+    "options"} (the parts of the two fingerprints, fingerprint.py)."""
+    where = _locate(src)
+    opts = _options(target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
+                    dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    fp, convert_from = _fingerprint(src, where)
+    want = {"source": where.location, "convert_from": convert_from, "source_digest": fp.digest,
+            "source_parts": dict(fp.parts), "options_digest": opts.digest, "options": dict(opts.parts)}
+    return _entry(cache_dir, where, opts, target, tp), want
+
+
+def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], error: HubOfflineError,
+                   target: str, tp: int, **options: Any) -> Path:
+    """Offline, with a revision the local Hugging Face cache cannot resolve (its files deleted after
+    the conversion, say): the entry converted earlier from that repo with these options, if complete."""
+    where = _locate(src)
+    opts = _options(target=target, tp=tp, **options)
+    dst = _entry(cache_dir, where, opts, target, tp)
+    record = dst.with_name(dst.name + RECORD_SUFFIX)
+    try:
+        have = json.loads(record.read_text())
+        same = (have["source"] == where.location and not Fingerprint("options", have["options"]).changed(opts))
+        converted = have["source_parts"]["hub"]
+    except (OSError, ValueError, KeyError, TypeError):
+        same, converted = False, None
+    if not (same and _complete(dst)):
+        raise error
+    log.warning("atom-convert cache: %s cannot be resolved offline (%s); using %s, converted from %s",
+                src, error, dst, converted)
+    return dst
+
+
+def _hub_fetch(src: str | os.PathLike[str], repo: str, **options: Any) -> Fetch:
+    """The `fetch` step for a Hub cache: pull `repo` into DST when its content key (hub.py: the
+    source's identity without tensor data, and the options that decide the bytes) is this one's."""
+    from ..hub.repo import conversion_options, conversion_record, pull_converted
+
+    def fetch(dst: Path, _want: dict[str, Any]) -> bool:
+        source = open_source(src)
+        try:
+            key = conversion_record(source, conversion_options(**options))["content_key"]
+        finally:
+            source.close()
+        return pull_converted(repo, key, dst) is not None
+
+    return fetch
+
+
+def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950",
+                     tp: int = 1, shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
+                     profile: str = "atom", ep: bool = False, dp_attention: bool = False,
+                     shared_experts: str = "fused", mori: bool = False, fetch: Fetch | None = None,
+                     timeout: float | None = None, progress: bool = False, hub_cache: str | None = None,
+                     workers: int | None = None, worker_mode: str = "auto",
+                     max_memory: int | str | None = None) -> Path:
+    """The converted directory for `src` and these options inside `cache_dir`, converting only when it
+    is missing or stale. Safe to call from every rank of a server at once: one converts, the others
+    wait and return the same path.
+
+    Args:
+        src: the Hugging Face checkpoint folder, or a Hub repo id `org/name[@revision]` (its revision
+            resolved to a commit at each call; that commit is what the entry holds, and a new commit
+            converts the entry again; offline, the local Hugging Face cache answers).
+        cache_dir: where converted directories are kept (created if missing).
+        target, tp, shard_size, mtp, mla_bmm, profile, ep, dp_attention, shared_experts, mori: as for
+            `convert`; each is part of the cache key, so a server started with other parallel
+            settings gets its own directory.
+        fetch: optional `fetch(dst, record) -> bool`, called under the lock before converting; it may
+            place a complete converted directory at `dst` for `record` (source and options
+            fingerprints) and return True, or return False to let the source be converted.
+        timeout: seconds to wait for another process's conversion (None: as long as it takes).
+        hub_cache: a Hub repo of converted shards (`org/name[@revision]`, see `atom-convert upload`):
+            when its content key matches this source and these options, it is downloaded and
+            checked instead of converting (the `fetch` step; hub.pull_converted).
+        progress: a progress bar while converting.
+        workers, worker_mode, max_memory: as for `convert`; None (the default here): every usable
+            core, half of the available memory (a serving start waits for this conversion, so it uses
+            the host). The worker processes are forked from the caller and touch no GPU.
+
+    Example:
+        >>> dst = atom_convert.ensure_converted("DeepSeek-V3", "/cache/atom", target="gfx950", tp=8)
+        >>> atom_convert.load_into(model, dst, rank=rank, device=f"cuda:{rank}")
+    """
+    layout = dict(target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
+                  shared_experts=shared_experts, mori=mori)
+    try:
+        dst, want = cache_path(src, cache_dir, shard_size=shard_size, **layout)  # type: ignore[arg-type]
+    except HubOfflineError as e:
+        return _offline_entry(src, cache_dir, e, shard_size=shard_size, **layout)
+    record = dst.with_name(dst.name + RECORD_SUFFIX)
+    if _current(dst, record, want):
+        return dst
+    src = want["convert_from"]  # a Hub repo: pinned to the commit the key was taken from
+    if hub_cache is not None and fetch is None:
+        fetch = _hub_fetch(src, hub_cache, **layout)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    lock = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
+    with FileLock(lock, wait=True if timeout is None else timeout, notify=log.info,
+                  busy=lambda who: (f"{lock}: another process is converting this cache entry ({who}); wait longer "
+                                    "(timeout=None) or remove the cache entry"),
+                  waiting=lambda who: f"waiting for the conversion into {dst} ({who})"):
+        why = _stale_because(record, want)
+        if not why and _complete(dst):  # converted by the caller we waited for
+            return dst
+        log.info("atom-convert cache: building %s (%s)", dst,
+                 "; ".join(why) if why else "its files are incomplete")
+        record.unlink(missing_ok=True)
+        if not (fetch is not None and fetch(dst, want) and _complete(dst)):
+            opts: dict[str, Any] = dict(layout, shard_size=shard_size, force=True, progress=progress,
+                                        workers=workers, worker_mode=worker_mode, max_memory=max_memory,
+                                        notify=log.info)
+            try:  # a dead converter's sealed shards are resumed (cache docstring, step 3)
+                convert(src, dst, resume="auto", **opts)
+            except NotResumableError as e:
+                log.info("atom-convert cache: %s; starting over", e)
+                convert(src, dst, resume="restart", **opts)
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, record)  # last: the directory counts as current from here on
+    return dst

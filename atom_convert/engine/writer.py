@@ -1,0 +1,628 @@
+"""Streaming safetensors writer, written in any order by several workers.
+
+The safetensors library writes a file from a dict of complete tensors; a
+stacked expert tensor of one DeepSeek-V3 layer is 7.5 GB, so that would hold
+a whole layer in memory. Here the plan fixes every shard's header (names,
+dtypes, shapes are known before any data is read), hence every tensor's byte
+offset in its file; tensor bytes are written there with `pwrite` as the
+producers yield them, one expert at a time, by whichever worker produced them
+and in whatever order the workers finish. The bytes on disk therefore do not
+depend on the number of workers or on the order of completion.
+
+How it works:
+1. A shard file is opened when its first tensor is written: the header goes
+   to offset 0, and a hashing thread for that file starts.
+2. Each worker hands its buffers to its own write-behind thread (`_IOThread`),
+   which `pwrite`s them at their offsets and marks the byte range done.
+3. A shard's hashing thread follows the contiguous done prefix of its file and
+   feeds sha256 by reading the bytes back with `preadv` (they are in the page
+   cache: just written). Hashing never waits for the order of production, and
+   the files hash in parallel (file writes, reads and hashlib release the GIL).
+   When the prefix reaches the end, the thread fsyncs and seals the file.
+4. Crash safety: a shard is written under `<name>.partial` and sealed once its last byte
+   is written and hashed: fsynced, renamed to its final name, the directory fsynced, and
+   its size and sha256 appended to the staging journal (staging.py). A killed run leaves
+   only sealed shards (kept by a resume) and `.partial` files (removed by it). `abort()`
+   never waits long: threads are joined with timeouts, so Ctrl-C cannot hang on a stuck write.
+The files are plain safetensors: `safe_open` reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import AtomConvertError
+from ..store.manifest import WrittenFile
+from ..layout.plan import OutTensor, ShardPlan
+from ..files.dtypes import ST_DTYPE
+from ..store.staging import PARTIAL_SUFFIX, Journal, Sealed, fsync_dir
+
+_ALIGN = 8  # header padded so that tensor data starts 8-byte aligned (as safetensors does)
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...], int]],
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length plus the JSON header for tensors laid out back to back in order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    off = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _as_bytes(t: torch.Tensor) -> Any:
+    """A zero-copy byte view (numpy) of a contiguous tensor of any dtype."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def shard_header(plan: ShardPlan, outputs: dict[str, OutTensor]) -> bytes:
+    """The exact first bytes of a planned shard; their sha256 identifies the shard's plan in the journal."""
+    return safetensors_header([(n, outputs[n].dtype, outputs[n].shape, outputs[n].nbytes) for n in plan.names],
+                              metadata={"format": "pt"})
+
+
+def header_digest(plan: ShardPlan, outputs: dict[str, OutTensor]) -> str:
+    return hashlib.sha256(shard_header(plan, outputs)).hexdigest()
+
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> int:
+    """One `os.pwrite` (a module function so that tests can inject disk-full and other faults)."""
+    return os.pwrite(fd, data, offset)
+
+
+class FaultHook:
+    """The writer's fault-injection interface, for tests: production passes none (`fault=None`).
+
+    Before each buffer a shard writes, the writer asks the hook `cut(n)`: None, or an offset
+    inside the n bytes; then it writes that many bytes, calls `fire()` and writes the rest, so a
+    test can kill or interrupt a conversion with a shard cut at an exact byte
+    (tests/fault_launcher.py has the hook the crash tests use). A hook reaches the writers as
+    their `fault=` argument, from their caller; the writer holds no hook of its own and reads no
+    environment variable."""
+
+    def cut(self, n: int) -> int | None:
+        """Count `n` bytes about to be written; where the fault falls inside them, the offset."""
+        return None
+
+    def fire(self) -> None:
+        """Inject the fault (the writer calls it with exactly `cut(n)` bytes of the buffer written)."""
+
+    @staticmethod
+    def from_env() -> "FaultHook | None":
+        """None: the conversion driver (convert.py) asks for a hook here and passes it to the writers;
+        a test replaces the driver's `FaultHook` name with one that returns its hook
+        (tests/fault_launcher.py). Kept under this name for that call; nothing is read from the
+        environment any more."""
+        return None
+
+
+class Cancelled(Exception):
+    """Raised in a worker when another worker failed or the run was interrupted: stop at the next buffer."""
+
+
+class _IOThread:
+    """Runs a worker's writes in order, off its producing thread (write-behind: the producer
+    prepares the next expert while the previous one is copied into the page cache)."""
+
+    # Waits here are in short steps: a process-directed signal (Ctrl-C, SIGTERM) is handled on
+    # the main thread, and only waits that return now and then let everything notice a stop
+    # when a write is stuck (a dead network filesystem).
+    _POLL_S = 0.2
+
+    def __init__(self, depth: int = 4, stop: threading.Event | None = None):
+        self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._aborted = threading.Event()
+        self._stop = stop or threading.Event()
+        self._t = threading.Thread(target=self._run, name="atom-convert-writer", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None and not self._aborted.is_set():
+                    fn, args = item
+                    try:
+                        fn(*args)
+                    except BaseException as e:  # noqa: BLE001  re-raised on the submitting thread
+                        self._error = e
+                    del fn, args
+                del item  # do not keep the last buffer (and the file pages it views) alive
+            finally:
+                self._q.task_done()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set() or self._aborted.is_set():
+            raise Cancelled()
+
+    def drain(self) -> None:
+        """Block until every submitted write is done."""
+        with self._q.all_tasks_done:
+            while self._q.unfinished_tasks:
+                if self._stop.is_set() or self._aborted.is_set():
+                    raise Cancelled()
+                self._q.all_tasks_done.wait(self._POLL_S)
+        self._check()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        while True:
+            self._check()
+            try:
+                self._q.put((fn, args), timeout=self._POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        while True:
+            self._check()
+            try:
+                self._q.put(None, timeout=self._POLL_S)
+                break
+            except queue.Full:
+                continue
+        while self._t.is_alive():  # join in steps: a stop is still noticed
+            self._t.join(self._POLL_S)
+            if self._stop.is_set():
+                raise Cancelled()
+        if self._error is not None:
+            raise self._error
+
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop soon: queued writes are dropped; the running one (a single write) may finish.
+        Waits at most `timeout` s; the thread is a daemon, so a write stuck for ever cannot keep
+        the process alive either."""
+        self._aborted.set()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+            self._q.task_done()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+        self._t.join(timeout)
+
+
+@dataclass
+class _Piece:
+    """Bytes to write at an absolute file offset."""
+
+    offset: int
+    data: Any  # a buffer (numpy byte view or bytes)
+
+
+HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWriter's hash_read)
+
+
+def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
+    """A planned shard's header, each tensor's absolute byte offset, and the file's size."""
+    header = shard_header(plan, outputs)
+    offsets, off = {}, len(header)
+    for n in plan.names:
+        offsets[n] = off
+        off += outputs[n].nbytes
+    return header, offsets, off
+
+
+class _ShardIO:
+    """A shard's `.partial` file open for positional writes (`pwrite`), with the test fault hook."""
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
+                 flags: int):
+        self.rel = rel
+        self.plan = plan
+        self.final = root / rel
+        self.tmp = self.final.with_name(self.final.name + PARTIAL_SUFFIX)
+        self.offsets = offsets  # tensor name -> absolute offset of its bytes
+        self.fault = fault
+        self.written: dict[str, list[tuple[int, int]]] = {}  # tensor -> unit ranges handed over
+        self.fd = self._io(os.open, self.tmp, flags, 0o666)  # umask applies
+
+    def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.tmp)) from e
+            raise
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        """Write all of `data` at `offset`."""
+        mv = memoryview(data).cast("B")
+        cut = self.fault.cut(len(mv)) if self.fault is not None else None
+        if cut is not None:  # test hook: the fault fires with exactly `cut` bytes of this buffer written
+            self.pwrite_all(mv[:cut], offset)
+            self.fault.fire()  # type: ignore[union-attr]
+            self.pwrite_all(mv[cut:], offset + cut)
+        else:
+            self.pwrite_all(mv, offset)
+
+    def pwrite_all(self, mv: memoryview, offset: int) -> None:
+        while len(mv):
+            n = self._io(_pwrite, self.fd, mv, offset)
+            offset += n
+            mv = mv[n:]
+
+
+class ShardFile(_ShardIO):
+    """One shard from its first byte to its seal, written in any order by several threads (or
+    worker processes, which write through descriptors of their own and report what they wrote).
+
+    Bytes go to `<final>.partial` at their offsets (`pwrite`, then `done`); the shard's own
+    hashing thread (`hash_and_seal`) follows the contiguous written prefix, and at the end
+    fsyncs, renames the file to its final name, fsyncs the directory and records the shard in
+    the journal. `discard` removes an unsealed shard.
+    """
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
+                 journal: Journal, fault: FaultHook | None = None, *, hash_from_map: bool = True,
+                 hash_read: int = HASH_READ_BYTES):
+        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self.hash_from_map = hash_from_map  # ShardSetWriter's docstring
+        self.hash_read = hash_read
+        self.header = header
+        self.size = size  # header + data
+        self.journal = journal
+        self.cond = threading.Condition()
+        self.ends: dict[int, int] = {}  # done ranges not yet joined to the prefix: start -> end
+        self.frontier = 0  # bytes [0, frontier) are written
+        self.nbytes = 0  # bytes written (any order)
+        self.hashed = 0
+        self.sha = hashlib.sha256()
+        self.aborted = False
+        self.error: BaseException | None = None
+        self.closed = False
+        self.sealed: Sealed | None = None
+        self.thread: threading.Thread | None = None
+
+    def done(self, start: int, n: int) -> None:
+        """Bytes [start, start + n) are in the file (called after pwrite returned)."""
+        with self.cond:
+            self.nbytes += n
+            self.ends[start] = start + n
+            advanced = False
+            while self.frontier in self.ends:
+                self.frontier = self.ends.pop(self.frontier)
+                advanced = True
+            if advanced:
+                self.cond.notify_all()
+
+    def hash_and_seal(self) -> None:
+        """The hashing thread: sha256 of the written prefix as it grows; then fsync and seal."""
+        try:
+            view = None if self.hash_from_map else memoryview(bytearray(min(self.hash_read, max(self.size, 1))))
+            while self.hashed < self.size:
+                with self.cond:
+                    while self.frontier <= self.hashed and not self.aborted:
+                        self.cond.wait(0.5)
+                    if self.aborted:
+                        return
+                    ready = self.frontier
+                while self.hashed < ready:
+                    if view is None:
+                        n = self._hash_mapped(min(self.hash_read, ready - self.hashed))
+                    else:
+                        n = self._io(os.preadv, self.fd, [view[:min(len(view), ready - self.hashed)]], self.hashed)
+                        if n <= 0:
+                            raise AtomConvertError(f"internal: {self.rel}: read back {n} bytes at {self.hashed}")
+                        self.sha.update(view[:n])
+                    self.hashed += n
+            self._io(os.fsync, self.fd)
+            self.close_fd()
+            with self.cond:
+                if self.aborted:  # an abort while the last bytes were hashed: leave it unsealed
+                    return
+            self._seal()
+        except BaseException as e:  # noqa: BLE001  reported by close()
+            self.error = e
+        finally:
+            self.close_fd()
+
+    def _hash_mapped(self, n: int) -> int:
+        """sha256 of the next n written bytes, read through a read-only mapping of them: the page
+        cache's pages themselves, where reading them back (preadv) copies every byte once more
+        (60-61 against 64-67 CPU-s for a 15.8 GB conversion on the 2-core box, BENCHMARKS.md, issue 9,
+        sixth round).
+        Only written bytes are mapped and read (n stops at the written prefix)."""
+        lo = self.hashed // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        mm = self._io(lambda: mmap.mmap(self.fd, self.hashed + n - lo, prot=mmap.PROT_READ, offset=lo))
+        try:
+            with memoryview(mm) as mv:
+                self.sha.update(mv[self.hashed - lo:])
+        finally:
+            mm.close()
+        return n
+
+    def _seal(self) -> None:
+        if not (self.nbytes == self.hashed == self.size):
+            raise AtomConvertError(f"internal: {self.rel}: {self.nbytes} bytes written, {self.hashed} hashed, "
+                                   f"{self.size} planned")
+        self._io(os.rename, self.tmp, self.final)
+        self._io(fsync_dir, self.final.parent)
+        s = Sealed(self.rel, self.size, self.sha.hexdigest(), hashlib.sha256(self.header).hexdigest())
+        self._io(self.journal.record, s)
+        self.sealed = s
+
+    def close_fd(self) -> None:
+        with self.cond:
+            if not self.closed:
+                self.closed = True
+                os.close(self.fd)
+
+    def discard(self) -> None:
+        """Remove the file of a shard that was not sealed."""
+        if self.sealed is None:
+            try:
+                self.tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class ShardSetWriter:
+    """Writes the shards of every rank of one converted set (main model or MTP) into
+    `root/subdir`, skipping the shards in `kept` (sealed by an earlier, interrupted run).
+
+    Thread-safe: workers call `write` for any (slot, tensor) in any order; each tensor's
+    bytes land at the offset the plan gives it.
+
+    `fault`: a test's fault hook (FaultHook), None in production. How the hashing threads read
+    the written bytes (the same sha256 either way; benches compare them): `hash_from_map`
+    through a read-only mapping of the file (the default), else read back with preadv;
+    `hash_read` bytes at a time.
+    """
+
+    def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
+                 journal: Journal, kept: dict[str, Sealed] | None = None,
+                 on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
+                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES):
+        if hash_read <= 0:
+            raise ValueError(f"hash_read must be positive, got {hash_read}")
+        self.hash_from_map, self.hash_read = hash_from_map, hash_read
+        self.root = root
+        self.prefix = f"{subdir}/" if subdir else ""
+        self.dir = root / subdir if subdir else root
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.journal = journal
+        self.fault = fault
+        kept = kept or {}
+        self.by_name = {o.name: o for o in outputs}
+        self.plans = [p for ps in shards for p in ps]
+        self.kept = {p.file: kept[self.prefix + p.file] for p in self.plans if self.prefix + p.file in kept}
+        # slot: a rank, or the caller's extra slot for files every rank shares
+        self.place: dict[tuple[int, str], ShardPlan] = {(slot, n): p for slot, ps in enumerate(shards)
+                                                        for p in ps for n in p.names}
+        self.tensor_file: dict[tuple[int, str], str] = {k: p.file for k, p in self.place.items()}
+        self._on_bytes = on_bytes or (lambda n: None)
+        self.stop = stop or threading.Event()
+        self._lock = threading.Lock()
+        self._open: dict[str, ShardFile] = {}
+        self._local = threading.local()
+
+    def is_sealed(self, slot: int, name: str) -> bool:
+        """True when the shard holding `name` for `slot` was kept from an earlier run: skip producing it."""
+        p = self.place.get((slot, name))
+        return p is not None and p.file in self.kept
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(s.nbytes for s in self.kept.values())
+
+    # Runs on the workers' write-behind threads. One buffer per call, written at its offset.
+    @staticmethod
+    def _write(sh: ShardFile, piece: _Piece) -> None:
+        sh.pwrite(piece.data, piece.offset)
+        sh.done(piece.offset, len(memoryview(piece.data).cast("B")))
+
+    def _progress(self, n: int) -> None:
+        with self._lock:
+            self._on_bytes(n)
+
+    def _write_and_count(self, sh: ShardFile, piece: _Piece) -> None:
+        if self.stop.is_set():
+            raise Cancelled()
+        n = len(memoryview(piece.data).cast("B"))
+        self._write(sh, piece)
+        self._progress(n)
+
+    def _shard(self, plan: ShardPlan) -> ShardFile:
+        with self._lock:
+            sh = self._open.get(plan.file)
+            if sh is None:
+                header, offsets, size = shard_layout(plan, self.by_name)
+                sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
+                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read)
+                self._open[plan.file] = sh
+                t = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
+                t.start()
+                # Set once started: a Ctrl-C or SIGTERM raised in this thread before start() returned
+                # leaves sh.thread None, and abort() must not join a thread not (yet) started
+                # (RuntimeError). A thread that did start sees sh.aborted and returns: it has
+                # nothing to hash, the header is written below.
+                sh.thread = t
+                self._write(sh, _Piece(0, header))
+        return sh
+
+    def open_shards(self, slot: int, names: Iterable[str]) -> None:
+        """Create (header, hashing thread) the unsealed shards that hold these tensors of `slot`:
+        the converting process does it before a worker process, which opens the files by name
+        and never creates one, writes into them (procs.py)."""
+        for n in names:
+            plan = self.place.get((slot, n))
+            if plan is not None and plan.file not in self.kept:
+                self._shard(plan)
+
+    def written_elsewhere(self, file: str, start: int, n: int) -> None:
+        """A worker process wrote bytes [start, start + n) of the shard `file` (ProcessShardWriter)."""
+        sh = self._open.get(file)
+        if sh is None:
+            raise AtomConvertError(f"internal: a worker process wrote {file}, which is not open")
+        sh.done(start, n)
+        self._progress(n)
+
+    def use_io(self, io: "_IOThread | None") -> None:
+        """Route the calling thread's writes through `io` (its write-behind thread); None: inline."""
+        self._local.io = io
+
+    def write(self, rank: int, out: OutTensor, chunks: Iterable[torch.Tensor],
+              part: tuple[int, int] | None = None) -> None:
+        """Write one rank's (slot's) tensor from its producer's chunks at the tensor's planned offset,
+        through the calling worker's write-behind thread (`use_io`); `part`: only units [a, b) of
+        it (plan.OutTensor.units), at their place in the tensor."""
+        io: _IOThread | None = getattr(self._local, "io", None)
+        if self.stop.is_set():
+            raise Cancelled()
+        plan = self.place.get((rank, out.name))
+        if plan is None:
+            raise AtomConvertError(f"internal: {out.name} (rank {rank}) is in no planned shard")
+        if plan.file in self.kept:
+            raise AtomConvertError(f"internal: {out.name} (rank {rank}) is in {plan.file}, sealed by an earlier run")
+        sh = self._shard(plan)
+        a, b = part if part is not None else (0, out.units or 1)
+        if part is not None and not 0 <= a < b <= out.units:
+            raise AtomConvertError(f"internal: {out.name} (rank {rank}): units {part} of {out.units}")
+        with self._lock:
+            # What was written, as unit ranges: a range is written once, and ranges never overlap
+            # (close() checks that every byte of every shard was written).
+            if any(x < b and a < y for x, y in sh.written.get(out.name, ())):
+                raise AtomConvertError(f"internal: {out.name} (rank {rank}) units {a}..{b} written twice")
+            sh.written.setdefault(out.name, []).append((a, b))
+        expected = out.nbytes if part is None else (b - a) * out.unit_bytes
+        base, total = sh.offsets[out.name] + a * (out.unit_bytes if part is not None else 0), 0
+        for c in chunks:
+            if self.stop.is_set():
+                raise Cancelled()
+            if c.dtype != out.dtype:
+                raise AtomConvertError(f"internal: {out.name} produced {c.dtype}, planned {out.dtype}")
+            buf = _as_bytes(c)
+            if total + len(buf) > expected:
+                total += len(buf)
+                break
+            piece = _Piece(base + total, buf)
+            total += len(buf)
+            if io is None:
+                self._write_and_count(sh, piece)
+            else:
+                io.submit(self._write_and_count, sh, piece)
+            del buf, piece, c  # hold no chunk while the producer makes the next one
+        if total != expected:
+            raise AtomConvertError(
+                f"internal: {out.name} produced {total} bytes, planned {expected} ({out.dtype}, {list(out.shape)}"
+                f"{'' if part is None else f', units {a}..{b} of {out.units}'})"
+            )
+
+    def close(self) -> list[WrittenFile]:
+        """Wait for every file's hash and seal; every planned shard of the set, kept or written."""
+        missing = [p.file for p in self.plans if p.file not in self._open and p.file not in self.kept]
+        short = [f"{sh.plan.file} ({sh.frontier} of {sh.size} bytes)" for sh in self._open.values()
+                 if sh.frontier != sh.size]
+        if missing or short:
+            raise AtomConvertError(f"internal: shards left incomplete: {missing + short}")
+        for sh in self._open.values():
+            assert sh.thread is not None
+            while sh.thread.is_alive():  # in steps: Ctrl-C still reaches the main thread
+                sh.thread.join(0.2)
+        errors = [sh.error for sh in self._open.values() if sh.error is not None]
+        if errors:
+            raise errors[0]
+        files = []
+        for p in self.plans:
+            if p.file in self.kept:
+                k = self.kept[p.file]
+                files.append(WrittenFile(p.file, k.nbytes, k.sha256))
+                continue
+            sh = self._open[p.file]
+            if sh.sealed is None or sh.hashed != sh.size or sh.nbytes != sh.size:
+                raise AtomConvertError(f"internal: {p.file}: {sh.nbytes} bytes written, {sh.hashed} hashed, "
+                                       f"{sh.size} planned, sealed: {sh.sealed is not None}")
+            size = sh.final.stat().st_size
+            if size != sh.size:
+                raise AtomConvertError(f"internal: {p.file} has {size} bytes on disk, {sh.size} planned")
+            files.append(WrittenFile(p.file, sh.size, sh.sealed.sha256))
+        return files
+
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop the hashing threads (bounded wait), close every file and remove the unsealed ones."""
+        self.stop.set()
+        for sh in list(self._open.values()):
+            with sh.cond:
+                sh.aborted = True
+                sh.cond.notify_all()
+        for sh in list(self._open.values()):
+            if sh.thread is not None:
+                sh.thread.join(timeout)
+            sh.close_fd()
+            sh.discard()
+
+
+class _ReportingShard(_ShardIO):
+    """A shard file as a worker process writes it: its own descriptor (the converting process
+    created the file), and each buffer written is reported instead of hashed here."""
+
+    def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
+                 report: Callable[[str, int, int], None]):
+        super().__init__(root, rel, plan, offsets, fault, os.O_WRONLY)
+        self._report = report
+
+    def done(self, start: int, n: int) -> None:
+        self._report(self.plan.file, start, n)
+
+    def close_fd(self) -> None:
+        os.close(self.fd)
+
+
+class ProcessShardWriter(ShardSetWriter):
+    """The writer inside a worker process (procs.py): the same `write` (planned offsets, unit
+    ranges, write-behind thread), through this process's own descriptors; `report(file, start, n)`
+    tells the converting process what was written, whose `written_elsewhere` feeds the shard's
+    hashing thread and the progress bar. It never creates, seals or removes a file."""
+
+    def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
+                 kept: dict[str, Sealed] | None, stop: Any, fault: FaultHook | None,
+                 report: Callable[[str, int, int], None]):
+        super().__init__(root, subdir, shards, outputs, None, kept, stop=stop, fault=fault)  # type: ignore[arg-type]
+        self._report = report
+
+    def _shard(self, plan: ShardPlan) -> Any:
+        with self._lock:
+            sh = self._open.get(plan.file)
+            if sh is None:
+                _, offsets, _ = shard_layout(plan, self.by_name)
+                sh = _ReportingShard(self.root, self.prefix + plan.file, plan, offsets, self.fault, self._report)
+                self._open[plan.file] = sh  # type: ignore[assignment]
+        return sh
+
+    def close(self) -> list[WrittenFile]:
+        with self._lock:
+            for sh in self._open.values():
+                sh.close_fd()
+            self._open.clear()
+        return []
+
+    def abort(self, timeout: float = 10.0) -> None:
+        self.close()  # the converting process decides about the files

@@ -1,8 +1,0 @@
-"""Architecture loaders. Importing this package registers every family module."""
-
-from __future__ import annotations
-
-from . import deepseek  # noqa: F401  (registration)
-from .base import ArchLoader, get_loader, registered
-
-__all__ = ["ArchLoader", "get_loader", "registered"]

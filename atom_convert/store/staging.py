@@ -1,0 +1,582 @@
+"""Where a conversion writes, who may write there, and what survives a crash.
+
+How it works:
+1. `check_destination(SRC, DST, force)` runs before any work: DST must not be SRC, lie inside
+   SRC or contain SRC (compared after resolving symlinks); a symlink DST to a directory means
+   its target, a dangling one is refused; an existing DST needs `force`, and `force` replaces
+   only an earlier conversion (a directory with atom_manifest.json) or an empty directory.
+2. `DestinationLock` (a `FileLock`): `fcntl.flock` on `.DST.atom-lock` beside DST, which the
+   kernel releases when its holder dies, so a crashed run never blocks the next one. The file
+   names the holder (pid, host, since when) for the refusal message; it is removed on release.
+3. `Staging`: everything is written under `.DST.atom-partial/` beside DST, a stable name so
+   that the next run finds it. Its journal (`.atom-journal.jsonl`, fsynced) starts with the
+   source and options fingerprints and the plan digest, then gets one line per sealed shard
+   (file, size, sha256, the digest of its planned header). A rerun with the same
+   fingerprints keeps the sealed shards whose size and sha256 still match and redoes the
+   rest; one with other fingerprints is refused, naming what changed.
+4. `Staging.commit` writes nothing itself: it removes the journal, then renames the staging
+   directory to DST (an old DST is first moved to `.DST.atom-old` and put back if the
+   second rename fails, removed once it succeeded; a crash between the two renames is
+   repaired by the next run, which puts the old DST back).
+Only the tool's own files are ever removed: the staging directory (recognised by its name
+and its journal), the lock file, `.atom-old`, and an old DST that --force may replace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..errors import BadInputError, DestinationExistsError, NotResumableError
+from .fingerprint import Fingerprint
+from .manifest import MANIFEST_NAME, sha256_file
+
+STAGING_SUFFIX = ".atom-partial"
+LOCK_SUFFIX = ".atom-lock"
+OLD_SUFFIX = ".atom-old"
+JOURNAL_NAME = ".atom-journal.jsonl"
+PARTIAL_SUFFIX = ".partial"  # a shard being written; never trusted, removed by the next run
+JOURNAL_VERSION = 1
+
+Notify = Callable[[str], None]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (POSIX needs the directory fsynced)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class DestPaths:
+    """DST (absolute, a symlink replaced by its target) and the tool's own names beside it."""
+
+    dst: Path
+
+    @property
+    def parent(self) -> Path:
+        return self.dst.parent
+
+    def _beside(self, suffix: str) -> Path:
+        return self.parent / f".{self.dst.name}{suffix}"
+
+    @property
+    def staging(self) -> Path:
+        return self._beside(STAGING_SUFFIX)
+
+    @property
+    def lock(self) -> Path:
+        return self._beside(LOCK_SUFFIX)
+
+    @property
+    def old(self) -> Path:
+        return self._beside(OLD_SUFFIX)
+
+
+def _is_conversion_or_empty(d: Path) -> bool:
+    return (d / MANIFEST_NAME).is_file() or not any(d.iterdir())
+
+
+def check_replaceable(dst: Path, force: bool) -> None:
+    """Refuse an existing DST unless `force` and it is an earlier conversion or empty."""
+    if not os.path.lexists(dst):
+        return
+    if not dst.is_dir():
+        raise BadInputError(f"destination {dst} exists and is not a directory; choose another DST, "
+                            "or remove it yourself if it is expendable")
+    if not force:
+        raise DestinationExistsError(
+            f"destination {dst} already exists; pass --force (force=True) to replace it (only an earlier "
+            f"atom-convert output, a directory with {MANIFEST_NAME}, or an empty directory is replaced)")
+    if not _is_conversion_or_empty(dst):
+        names = sorted(p.name for p in dst.iterdir())
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        raise BadInputError(
+            f"destination {dst} is not an atom-convert output: it has no {MANIFEST_NAME} and holds {shown}; "
+            "--force replaces only an earlier conversion or an empty directory. Choose another DST, or "
+            "remove it yourself if its contents are expendable")
+
+
+def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], force: bool) -> DestPaths:
+    """The path checks made before any work (module docstring, step 1); returns DST's paths."""
+    d = Path(os.path.abspath(dst))
+    if d.is_symlink():
+        target = os.readlink(d)
+        if not d.exists():
+            raise BadInputError(
+                f"destination {d} is a symbolic link to {target}, which does not exist; create the directory "
+                f"it points to (mkdir -p {d.resolve()}) to convert into it, or remove the link")
+        d = d.resolve()
+    if d.name in ("", ".", ".."):
+        raise BadInputError(f"destination {dst} does not name a directory; give a path such as ./model-atom")
+    rs, rd = Path(src).resolve(), d.resolve()
+    if rd == rs:
+        raise BadInputError(f"destination {dst} is the source checkpoint itself ({rs}); choose a DST outside SRC "
+                            "(converting in place would destroy the source)")
+    if rs in rd.parents:
+        raise BadInputError(f"destination {dst} ({rd}) is inside the source checkpoint {rs}; choose a DST outside "
+                            "SRC")
+    if rd in rs.parents:
+        raise BadInputError(f"destination {dst} ({rd}) contains the source checkpoint {rs}; replacing it would "
+                            "delete the source. Choose a DST that neither contains nor lies inside SRC")
+    for p in [d.parent, *d.parent.parents]:
+        if os.path.lexists(p):
+            if not p.is_dir():
+                raise BadInputError(f"cannot create destination {d}: {p} exists and is not a directory")
+            break
+    check_replaceable(d, force)
+    return DestPaths(d)
+
+
+def make_parents(path: Path) -> list[Path]:
+    """mkdir -p; returns the directories created (outermost first), to remove them if nothing is kept."""
+    created: list[Path] = []
+    for p in reversed([path, *path.parents]):
+        if not os.path.lexists(p):
+            try:
+                os.mkdir(p)
+            except FileExistsError:
+                continue
+            created.append(p)
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """rmdir (never rmtree) the directories `make_parents` created, innermost first, if they are empty."""
+    for p in reversed(created):
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+
+
+# ------------------------------------------------------------------------------------------------
+# one conversion per DST
+# ------------------------------------------------------------------------------------------------
+
+
+_HELD: "weakref.WeakSet[FileLock]" = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a worker process, procs.py): close the descriptors of the locks the
+    parent holds. A flock belongs to the open file, which the child shares: a worker outliving a
+    killed converter would otherwise keep DST locked against the resume. Only the descriptor
+    is closed (the parent still holds the lock), and the child's copy then releases nothing."""
+    for lock in list(_HELD):
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+class FileLock:
+    """An exclusive `flock` on `path`, which the kernel releases when its holder dies (so a crashed
+    holder never blocks the next one). The file names the holder (pid, host, since when) for the
+    messages, and is removed on release.
+
+    wait: False refuses at once when another process holds it (`busy(who)` is the message), True
+    waits as long as it takes, a number waits that many seconds and then refuses. Waits poll
+    rather than block in flock, so that Ctrl-C works whichever thread receives it.
+    """
+
+    def __init__(self, path: Path, *, wait: bool | float = False, notify: Notify = print,
+                 busy: Callable[[str], str] | None = None, waiting: Callable[[str], str] | None = None):
+        self.path = path
+        self.wait = wait
+        self.notify = notify
+        self._busy = busy or (lambda who: f"{path} is locked by another process ({who})")
+        self._waiting = waiting
+        self._fd: int | None = None
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (ValueError, OSError):
+            return "holder unknown"
+        if not isinstance(info, dict) or "pid" not in info:
+            return "holder unknown"
+        return (f"pid {info['pid']}" + (f" on {info['host']}" if "host" in info else "")
+                + (f", since {info['since']}" if "since" in info else ""))
+
+    def _take(self, fd: int) -> None:
+        """flock `fd`, waiting as `wait` says; raises BadInputError when refused."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        who = self._holder(fd)
+        if self.wait is False:
+            raise BadInputError(self._busy(who))
+        if self._waiting is not None:
+            self.notify(self._waiting(who))
+        deadline = None if self.wait is True else time.monotonic() + float(self.wait)
+        while True:
+            time.sleep(0.2)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BadInputError(self._busy(self._holder(fd)) + f" (waited {float(self.wait):g} s)") from None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                self._take(fd)
+                # The previous holder removes the file on release: a lock on that unlinked file
+                # protects nothing, so start again on the current file.
+                try:
+                    same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    os.close(fd)
+                    continue
+                info = {"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(info).encode(), 0)
+                self._fd = fd
+                _HELD.add(self)
+                return
+            except BaseException:
+                os.close(fd)
+                raise
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still holding it: see acquire()
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    def __enter__(self) -> "FileLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class DestinationLock(FileLock):
+    """The lock of one DST (`.DST.atom-lock`): one conversion into DST at a time; `wait` queues."""
+
+    def __init__(self, paths: DestPaths, *, wait: bool = False, notify: Notify = print):
+        self.dst = paths.dst
+        super().__init__(
+            paths.lock, wait=wait, notify=notify,
+            busy=lambda who: (f"another atom-convert is writing {paths.dst} ({who}; lock {paths.lock}); wait for it "
+                              "to finish, pass --wait (wait=True) to queue behind it, or choose another DST"),
+            waiting=lambda who: f"waiting for the conversion into {paths.dst} ({who}) to finish (--wait)")
+
+
+# ------------------------------------------------------------------------------------------------
+# the staging directory and its journal
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A shard that is complete on disk: relative path (posix, from the staging root), size, sha256,
+    and the sha256 of its planned header (names, dtypes, shapes, offsets)."""
+
+    file: str
+    nbytes: int
+    sha256: str
+    plan: str
+
+    def as_json(self) -> str:
+        return json.dumps({"sealed": self.file, "bytes": self.nbytes, "sha256": self.sha256, "plan": self.plan})
+
+
+class Journal:
+    """Append-only, fsynced record of sealed shards; `record` is safe to call from several threads."""
+
+    def __init__(self, path: Path, header: dict[str, Any], kept: list[Sealed]):
+        self.path = path
+        self.sealed: list[Sealed] = list(kept)
+        self._lock = threading.Lock()
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(header) + "\n")
+            for s in kept:
+                f.write(s.as_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        self._fh = open(path, "a")
+
+    def record(self, s: Sealed) -> None:
+        with self._lock:
+            self._fh.write(s.as_json() + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self.sealed.append(s)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.close()
+
+
+def _read_journal(path: Path) -> tuple[dict[str, Any], list[Sealed]]:
+    """(header, sealed entries). A torn or garbled line is skipped: its shard is simply redone."""
+    lines = path.read_text(errors="replace").split("\n")
+    try:
+        header = json.loads(lines[0])
+        if not isinstance(header, dict) or header.get("journal") != JOURNAL_VERSION:
+            raise ValueError(f"journal version {header.get('journal') if isinstance(header, dict) else header!r}")
+    except ValueError as e:
+        raise ValueError(f"its journal {path.name} is unreadable ({e})") from None
+    entries = []
+    for line in lines[1:]:
+        try:
+            d = json.loads(line)
+            entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), str(d["sha256"]), str(d["plan"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return header, entries
+
+
+@dataclass
+class Staging:
+    """The staging directory of one DST (module docstring, steps 3 and 4)."""
+
+    paths: DestPaths
+    notify: Notify = print
+    journal: Journal | None = field(default=None, init=False)
+    created: bool = field(default=False, init=False)  # the staging directory is this run's
+
+    @property
+    def root(self) -> Path:
+        return self.paths.staging
+
+    @property
+    def sealed(self) -> list[Sealed]:
+        return list(self.journal.sealed) if self.journal else []
+
+    def _is_ours(self) -> bool:
+        r = self.root
+        return r.is_dir() and not r.is_symlink() and (
+            (r / JOURNAL_NAME).is_file() or _is_conversion_or_empty(r))
+
+    def recover_swap(self) -> None:
+        """Repair a crash between the two renames of `commit` (run under the lock)."""
+        old, dst = self.paths.old, self.paths.dst
+        if not os.path.lexists(old):
+            return
+        if not (old.is_dir() and not old.is_symlink() and _is_conversion_or_empty(old)):
+            raise BadInputError(f"{old} is in the way and is not an atom-convert output; move it elsewhere")
+        if os.path.lexists(dst):
+            shutil.rmtree(old)  # the replacement finished; this is the replaced conversion
+        else:
+            os.rename(old, dst)
+            self.notify(f"put back {dst}: an earlier --force replacement of it was interrupted")
+
+    def open(self, header: dict[str, Any], planned: dict[str, str], mode: str) -> list[Sealed]:
+        """Create the staging directory, or resume the one a previous run left.
+
+        header: {"source": Fingerprint dict, "options": Fingerprint dict, "plan": digest}.
+        planned: every shard's relative path -> its header digest.
+        mode: "auto" (resume when possible, saying so), "resume" (the same, and say when there is
+        nothing to resume), "restart" (discard what a previous run left).
+        Returns the sealed shards kept.
+        """
+        r = self.root
+        kept: list[Sealed] = []
+        if os.path.lexists(r):
+            if not self._is_ours():
+                raise BadInputError(f"{r} is in the way and was not written by atom-convert (no {JOURNAL_NAME}); "
+                                    "move it elsewhere and run again")
+            if mode == "restart":
+                self.notify(f"--restart: removing the partial conversion in {r}")
+                shutil.rmtree(r)
+            elif not (r / JOURNAL_NAME).is_file():
+                shutil.rmtree(r)  # empty, or finished but not yet renamed when it crashed: nothing to resume
+            else:
+                kept = self._resumable(header, planned)
+        elif mode == "resume":
+            self.notify(f"--resume: no partial conversion of {self.paths.dst} found ({r}); starting from the beginning")
+        if not r.exists():
+            self.created = True
+            os.mkdir(r)  # a plain mkdir's permissions (umask), which DST keeps after the rename
+        full = {**header, "journal": JOURNAL_VERSION, "dst": str(self.paths.dst), "pid": os.getpid(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.journal = Journal(r / JOURNAL_NAME, full, kept)
+        return kept
+
+    def _resumable(self, header: dict[str, Any], planned: dict[str, str]) -> list[Sealed]:
+        r = self.root
+        hint = "pass --restart (resume='restart') to discard it and start over"
+        try:
+            old, entries = _read_journal(r / JOURNAL_NAME)
+            old_src = Fingerprint.from_dict(old.get("source"))
+            old_opt = Fingerprint.from_dict(old.get("options"))
+        except ValueError as e:
+            raise NotResumableError(f"cannot resume the partial conversion in {r}: {e}; {hint}") from None
+        why = []
+        src_changed = old_src.changed(Fingerprint.from_dict(header["source"]))
+        if src_changed:
+            why.append("the source changed (" + ", ".join(src_changed) + ")")
+        new_opt = Fingerprint.from_dict(header["options"])
+        for k in old_opt.changed(new_opt):
+            why.append(f"option {k} was {old_opt.parts.get(k)!r}, now {new_opt.parts.get(k)!r}")
+        if not why and old.get("plan") != header["plan"]:
+            why.append("the plan differs (staged by a different atom-convert build)")
+        if why:
+            raise NotResumableError(
+                f"{r} holds a partial conversion into {self.paths.dst} that this run cannot resume: "
+                + "; ".join(why) + f". Rerun with the original source and options to resume it, or {hint}")
+        latest = {e.file: e for e in entries}
+        kept = []
+        for e in latest.values():
+            p = r / e.file
+            if (planned.get(e.file) == e.plan and p.is_file() and not p.is_symlink()
+                    and p.stat().st_size == e.nbytes and sha256_file(p) == e.sha256):
+                kept.append(e)
+        keep = {e.file for e in kept} | {JOURNAL_NAME}
+        for p in sorted(r.rglob("*"), reverse=True):  # unsealed, unrecorded or damaged: redone
+            rel = p.relative_to(r).as_posix()
+            if p.is_dir() and not p.is_symlink():
+                continue
+            if rel not in keep:
+                p.unlink()
+        kept.sort(key=lambda e: e.file)
+        self.notify(f"resuming the partial conversion in {r}: keeping {len(kept)} of {len(planned)} shards "
+                    f"({sum(e.nbytes for e in kept)} bytes) already sealed, converting the rest")
+        return kept
+
+    def remove_partials(self) -> None:
+        """Remove every shard still being written (never the sealed ones)."""
+        if self.root.is_dir():
+            for p in self.root.rglob(f"*{PARTIAL_SUFFIX}"):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def remove(self) -> None:
+        """Remove the staging directory (the tool's own) entirely."""
+        self.close()
+        if self.root.is_dir() and not self.root.is_symlink():
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def commit(self) -> None:
+        """Rename the finished staging directory to DST (module docstring, step 4). Ctrl-C and
+        SIGTERM wait until it is done: between the journal's removal and the rename, an interrupt
+        would leave finished shards that no journal lists. One that arrived meanwhile is noted,
+        not raised: the conversion is complete."""
+        with _signals_held() as held:
+            self._commit()
+        if held:
+            self.notify(f"{_SIGNAL_NAMES.get(held[0], held[0])} arrived while {self.paths.dst} was being renamed into "
+                        "place; the conversion had finished, so it is complete")
+
+    def _commit(self) -> None:
+        self.close()
+        os.unlink(self.root / JOURNAL_NAME)
+        fsync_dir(self.root)
+        dst, old = self.paths.dst, self.paths.old
+        if os.path.lexists(dst):
+            os.rename(dst, old)
+            try:
+                os.rename(self.root, dst)
+            except BaseException:
+                os.rename(old, dst)  # put the previous DST back before reporting the failure
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.root, dst)
+        fsync_dir(dst.parent)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM recorded, not acted on, inside the block (on the main thread, where
+    Python runs signal handlers; elsewhere this changes nothing). Only handlers that are Python
+    functions are replaced (Ctrl-C's KeyboardInterrupt, the CLI's SIGTERM handler); an ignored
+    or default signal stays as it is."""
+    held: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if callable(signal.getsignal(sig)):
+                previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def plan_digest(planned: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(planned, sort_keys=True).encode()).hexdigest()
+
+
+def _is_written_by_us(path: Path, paths: DestPaths) -> bool:
+    """A path the conversion writes: in the staging directory, the lock, DST, or a parent it creates."""
+    p = Path(os.path.abspath(path))
+    return (p in (paths.lock, paths.old, paths.dst, paths.staging) or paths.staging in p.parents
+            or p in paths.dst.parents)
+
+
+def os_error_message(e: OSError, staging: Staging | None, paths: DestPaths) -> tuple[str, bool] | None:
+    """(message, keep sealed shards) for the OS errors a user can fix while writing, or None for the
+    others (an error reading the source is not a destination problem)."""
+    if e.filename is not None and not _is_written_by_us(Path(os.fsdecode(e.filename)), paths):
+        return None
+    where = e.filename or (staging.root if staging else "the destination")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        sealed = staging.sealed if staging else []
+        if sealed:
+            return (f"no space left on the device while writing {where} ({e.strerror}). The {len(sealed)} shard(s) "
+                    f"already sealed ({sum(s.nbytes for s in sealed)} bytes) are kept in {staging.root}: free space "
+                    "and run the same command again to resume, or pass --restart to start over; delete "
+                    f"{staging.root} to give their space back", True)
+        return (f"no space left on the device while writing {where} ({e.strerror}); free space or choose a DST on "
+                "another filesystem. Nothing was kept", False)
+    if e.errno == errno.EROFS:
+        return (f"cannot write {where}: read-only file system; choose a DST on a writable filesystem. "
+                "Nothing was kept", False)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return (f"cannot write {where}: permission denied ({e.strerror}); choose a DST in a directory you may "
+                "write to, or fix its permissions. Nothing was kept", False)
+    return None
