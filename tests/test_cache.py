@@ -33,7 +33,7 @@ CHILD = textwrap.dedent('''
     from pathlib import Path
     import atom_convert.engine.cache as cache
     logging.basicConfig(level=logging.INFO)
-    conv = sys.modules["atom_convert.convert"]  # the package attribute of that name is the function
+    conv = sys.modules["atom_convert.engine.convert"]  # the package attribute of that name is the function
     src, cache_dir, log, go, mode = sys.argv[1:6]
     real = cache.convert
     def logged(*a, **k):

@@ -278,7 +278,7 @@ def test_faults_reach_the_writer_only_from_its_caller(src: Path, ref: Path, shar
             atom_convert.convert(src, tmp_path / mode, workers=2, worker_mode=mode, **API_OPTS)
         assert hook.done == shard_bytes, mode
         assert_same_conversion(tmp_path / mode, ref)
-    assert sys.modules["atom_convert.convert"].FaultHook is writer_mod.FaultHook  # put back
+    assert sys.modules["atom_convert.engine.convert"].FaultHook is writer_mod.FaultHook  # put back
 
 
 def test_ctrl_c_at_random_points_never_hangs(src: Path, ref: Path, shard_bytes: int, tmp_path: Path,

@@ -104,10 +104,12 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
     from ..engine.convert import convert as run_convert
     from ..engine.convert import plan_summary
 
-    par = dict(ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
+    from ..layout.options import ConversionOptions
+
+    opts = ConversionOptions(target=target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm, ep=ep,
+                             dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
     if dry_run:
-        plan = plan_summary(src, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm,
-                            revision=revision, **par)
+        plan = plan_summary(src, options=opts, revision=revision)
         if as_json:
             click.echo(json.dumps(plan, indent=1))
         else:
@@ -118,11 +120,10 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
     mode = "resume" if resume else "restart" if restart else "auto"
     with _signals_interrupt():
         try:
-            m = run_convert(src, dst, target, tp=tp, shard_size=shard_size, mtp=not no_mtp, force=force,
-                            progress=not as_json and sys.stderr.isatty(), mla_bmm=mla_bmm, resume=mode, wait=wait,
-                            notify=lambda line: click.echo(line, err=True), workers=workers,
+            m = run_convert(src, dst, options=opts, force=force, progress=not as_json and sys.stderr.isatty(),
+                            resume=mode, wait=wait, notify=lambda line: click.echo(line, err=True), workers=workers,
                             worker_mode=worker_mode, max_memory=max_memory, allow_nonfinite=allow_nonfinite,
-                            revision=revision, hub_cache=hub_cache, **par)
+                            revision=revision, hub_cache=hub_cache)
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             text = (e.message if isinstance(e, Interrupted) else "") or "interrupted; nothing was written"

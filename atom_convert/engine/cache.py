@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .convert import DEFAULT_SHARD_SIZE, convert, parse_size
+from ..layout.options import ConversionOptions
+from .convert import convert
 from ..errors import BadInputError, HubOfflineError, NotResumableError
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..hub.repo import RepoSpec, open_source, parse_repo_spec
@@ -118,47 +119,38 @@ def _fingerprint(src: str | os.PathLike[str], where: _Source) -> tuple[Fingerpri
     return Fingerprint("source", {"hub": pinned}), pinned
 
 
-def _options(*, target: str, tp: int, shard_size: int | str, mtp: bool, mla_bmm: str, profile: str, ep: bool,
-             dp_attention: bool, shared_experts: str, mori: bool) -> Fingerprint:
-    return options_fingerprint(target=target, tp=tp, shard_size=parse_size(shard_size), mtp=mtp, mla_bmm=mla_bmm,
-                               profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
-                               mori=mori)
+def _entry(cache_dir: str | os.PathLike[str], where: _Source, options: ConversionOptions) -> Path:
+    """The entry's directory: the source's name, target and tp, and a digest of the options'
+    fingerprint and of where the source is (two folders or repos of the same name get two entries)."""
+    key = hashlib.sha256(f"{options_fingerprint(options).digest}\0{where.location}".encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{where.name}-{options.target}-tp{options.tp}-{key}"
 
 
-def _entry(cache_dir: str | os.PathLike[str], where: _Source, opts: Fingerprint, target: str, tp: int) -> Path:
-    """The entry's directory: the source's name, target and tp, and a digest of the options and of
-    where the source is (two folders or repos of the same name get two entries)."""
-    key = hashlib.sha256(f"{opts.digest}\0{where.location}".encode()).hexdigest()[:12]
-    return Path(cache_dir) / f"{where.name}-{target}-tp{tp}-{key}"
-
-
-def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950", tp: int = 1,
-               shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
-               profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
-               mori: bool = False) -> tuple[Path, dict[str, Any]]:
-    """The directory `ensure_converted` uses for these arguments, and the record it expects there:
-    {"source": where it is, "convert_from", "source_digest", "source_parts", "options_digest",
-    "options"} (the parts of the two fingerprints, fingerprint.py)."""
+def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *,
+               options: ConversionOptions | None = None, **kw: Any) -> tuple[Path, dict[str, Any]]:
+    """The directory `ensure_converted` uses for `options` (or its fields as keywords), and the
+    record it expects there: {"source": where it is, "convert_from", "source_digest",
+    "source_parts", "options_digest", "options"} (the parts of the two fingerprints, fingerprint.py)."""
+    opts = ConversionOptions.build(options, **kw)
     where = _locate(src)
-    opts = _options(target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
-                    dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+    ofp = options_fingerprint(opts)
     fp, convert_from = _fingerprint(src, where)
     want = {"source": where.location, "convert_from": convert_from, "source_digest": fp.digest,
-            "source_parts": dict(fp.parts), "options_digest": opts.digest, "options": dict(opts.parts)}
-    return _entry(cache_dir, where, opts, target, tp), want
+            "source_parts": dict(fp.parts), "options_digest": ofp.digest, "options": dict(ofp.parts)}
+    return _entry(cache_dir, where, opts), want
 
 
 def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], error: HubOfflineError,
-                   target: str, tp: int, **options: Any) -> Path:
+                   options: ConversionOptions) -> Path:
     """Offline, with a revision the local Hugging Face cache cannot resolve (its files deleted after
     the conversion, say): the entry converted earlier from that repo with these options, if complete."""
     where = _locate(src)
-    opts = _options(target=target, tp=tp, **options)
-    dst = _entry(cache_dir, where, opts, target, tp)
+    dst = _entry(cache_dir, where, options)
     record = dst.with_name(dst.name + RECORD_SUFFIX)
     try:
         have = json.loads(record.read_text())
-        same = (have["source"] == where.location and not Fingerprint("options", have["options"]).changed(opts))
+        same = (have["source"] == where.location
+                and not Fingerprint("options", have["options"]).changed(options_fingerprint(options)))
         converted = have["source_parts"]["hub"]
     except (OSError, ValueError, KeyError, TypeError):
         same, converted = False, None
@@ -169,15 +161,15 @@ def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str
     return dst
 
 
-def _hub_fetch(src: str | os.PathLike[str], repo: str, **options: Any) -> Fetch:
+def _hub_fetch(src: str | os.PathLike[str], repo: str, options: ConversionOptions) -> Fetch:
     """The `fetch` step for a Hub cache: pull `repo` into DST when its content key (hub.py: the
     source's identity without tensor data, and the options that decide the bytes) is this one's."""
-    from ..hub.repo import conversion_options, conversion_record, pull_converted
+    from ..hub.repo import conversion_record, pull_converted
 
     def fetch(dst: Path, _want: dict[str, Any]) -> bool:
         source = open_source(src)
         try:
-            key = conversion_record(source, conversion_options(**options))["content_key"]
+            key = conversion_record(source, options)["content_key"]
         finally:
             source.close()
         return pull_converted(repo, key, dst) is not None
@@ -185,10 +177,11 @@ def _hub_fetch(src: str | os.PathLike[str], repo: str, **options: Any) -> Fetch:
     return fetch
 
 
-def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str = "gfx950",
-                     tp: int = 1, shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
-                     profile: str = "atom", ep: bool = False, dp_attention: bool = False,
-                     shared_experts: str = "fused", mori: bool = False, fetch: Fetch | None = None,
+def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *, target: str | None = None,
+                     tp: int | None = None, shard_size: int | str | None = None, mtp: bool | None = None,
+                     mla_bmm: str | None = None, profile: str | None = None, ep: bool | None = None,
+                     dp_attention: bool | None = None, shared_experts: str | None = None, mori: bool | None = None,
+                     options: ConversionOptions | None = None, fetch: Fetch | None = None,
                      timeout: float | None = None, progress: bool = False, hub_cache: str | None = None,
                      workers: int | None = None, worker_mode: str = "auto",
                      max_memory: int | str | None = None) -> Path:
@@ -201,9 +194,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
             resolved to a commit at each call; that commit is what the entry holds, and a new commit
             converts the entry again; offline, the local Hugging Face cache answers).
         cache_dir: where converted directories are kept (created if missing).
-        target, tp, shard_size, mtp, mla_bmm, profile, ep, dp_attention, shared_experts, mori: as for
-            `convert`; each is part of the cache key, so a server started with other parallel
-            settings gets its own directory.
+        options (or its fields target, tp, shard_size, mtp, mla_bmm, profile, ep, dp_attention,
+            shared_experts, mori as keywords): as for `convert`; every field is part of the cache key,
+            so a server started with other parallel settings gets its own directory.
         fetch: optional `fetch(dst, record) -> bool`, called under the lock before converting; it may
             place a complete converted directory at `dst` for `record` (source and options
             fingerprints) and return True, or return False to let the source be converted.
@@ -220,18 +213,19 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         >>> dst = atom_convert.ensure_converted("DeepSeek-V3", "/cache/atom", target="gfx950", tp=8)
         >>> atom_convert.load_into(model, dst, rank=rank, device=f"cuda:{rank}")
     """
-    layout = dict(target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
-                  shared_experts=shared_experts, mori=mori)
+    opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm,
+                                   profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
+                                   mori=mori)
     try:
-        dst, want = cache_path(src, cache_dir, shard_size=shard_size, **layout)  # type: ignore[arg-type]
+        dst, want = cache_path(src, cache_dir, options=opts)
     except HubOfflineError as e:
-        return _offline_entry(src, cache_dir, e, shard_size=shard_size, **layout)
+        return _offline_entry(src, cache_dir, e, opts)
     record = dst.with_name(dst.name + RECORD_SUFFIX)
     if _current(dst, record, want):
         return dst
     src = want["convert_from"]  # a Hub repo: pinned to the commit the key was taken from
     if hub_cache is not None and fetch is None:
-        fetch = _hub_fetch(src, hub_cache, **layout)
+        fetch = _hub_fetch(src, hub_cache, opts)
     dst.parent.mkdir(parents=True, exist_ok=True)
     lock = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
     with FileLock(lock, wait=True if timeout is None else timeout, notify=log.info,
@@ -245,14 +239,13 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
                  "; ".join(why) if why else "its files are incomplete")
         record.unlink(missing_ok=True)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
-            opts: dict[str, Any] = dict(layout, shard_size=shard_size, force=True, progress=progress,
-                                        workers=workers, worker_mode=worker_mode, max_memory=max_memory,
-                                        notify=log.info)
+            run: dict[str, Any] = dict(options=opts, force=True, progress=progress, workers=workers,
+                                       worker_mode=worker_mode, max_memory=max_memory, notify=log.info)
             try:  # a dead converter's sealed shards are resumed (cache docstring, step 3)
-                convert(src, dst, resume="auto", **opts)
+                convert(src, dst, resume="auto", **run)
             except NotResumableError as e:
                 log.info("atom-convert cache: %s; starting over", e)
-                convert(src, dst, resume="restart", **opts)
+                convert(src, dst, resume="restart", **run)
         tmp = record.with_name(record.name + ".tmp")
         tmp.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, record)  # last: the directory counts as current from here on

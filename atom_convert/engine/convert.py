@@ -48,6 +48,7 @@ from ..errors import BadInputError, Interrupted, UnsupportedError
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..store.manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
 from ..layout.model import ModelSpec
+from ..layout.options import DEFAULT_SHARD_SIZE, ConversionOptions, parse_size  # noqa: F401 (re-exported)
 from ..layout.parallel import Parallel
 from ..layout.plan import COMMON, ConversionPlan, ModelPlan, OutTensor, ShardPlan, assign_shards
 from .prefetch import Prefetcher
@@ -60,7 +61,6 @@ from .writer import FaultHook, ProcessShardWriter, ShardSetWriter, _IOThread, he
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHARD_SIZE = 5 * 1000**3
 MTP_DIR = "mtp"
 
 RESUME_MODES = ("auto", "resume", "restart")
@@ -116,41 +116,15 @@ def _one_intra_op_thread() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, 1000 -> 1000."""
-    if isinstance(text, int):
-        return text
-    t = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
-             "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4, "K": 1000, "M": 1000**2, "G": 1000**3, "B": 1}
-    for u, m in units.items():
-        if t.endswith(u):
-            try:
-                return int(float(t[: -len(u)]) * m)
-            except ValueError:
-                break
-    try:
-        return int(t)
-    except ValueError:
-        raise BadInputError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB") from None
-
-
-def make_plan(src: SourceCheckpoint, *, target: str = "gfx950", tp: int = 1, mtp: bool = True,
-              profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False, dp_attention: bool = False,
-              shared_experts: str = "fused", mori: bool = False) -> ConversionPlan:
-    if target not in TARGETS:
-        raise BadInputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+def make_plan(src: SourceCheckpoint, options: ConversionOptions | None = None, **kw: Any) -> ConversionPlan:
+    """The conversion plan of `src` for `options` (or the same fields as keywords)."""
+    opts = ConversionOptions.build(options, **kw)
     spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
     fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
     loader = loaders.get_loader(spec)
-    prof = get_profile(profile)
-    if dp_attention and not prof.dp_attention:
-        raise UnsupportedError(
-            f"--profile {prof.name} with --dp-attention: ATOM inside vLLM forces enable_dp_attention off "
-            f"(atom-layout-plugin.md §4); convert with --profile atom, or without --dp-attention"
-        )
-    par = Parallel(tp=tp, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
-    plan = loader.plan(src, spec, fmt, target=target, tp=tp, profile=prof, mtp=mtp, mla_bmm=mla_bmm, parallel=par)
+    prof = get_profile(opts.profile)
+    plan = loader.plan(src, spec, fmt, target=opts.target, tp=opts.tp, profile=prof, mtp=opts.mtp,
+                       mla_bmm=opts.mla_bmm, parallel=opts.parallel())
     prof.apply(plan)  # the one renaming step: loaders plan with ATOM-native names
     return plan
 
@@ -349,13 +323,14 @@ def _planned_shards(main: SetLayout, mtp: SetLayout | None) -> dict[str, str]:
     return planned
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str = "gfx950", *, tp: int = 1,
-            shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, force: bool = False,
-            progress: bool = False, profile: str = "atom", mla_bmm: str = "fp8", ep: bool = False,
-            dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False, resume: str = "auto",
-            wait: bool = False, notify: Callable[[str], None] | None = None, workers: int | None = 1,
-            worker_mode: str = "auto", max_memory: int | str | None = None, allow_nonfinite: bool = False,
-            revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str | None = None, *,
+            tp: int | None = None, shard_size: int | str | None = None, mtp: bool | None = None,
+            profile: str | None = None, mla_bmm: str | None = None, ep: bool | None = None,
+            dp_attention: bool | None = None, shared_experts: str | None = None, mori: bool | None = None,
+            options: ConversionOptions | None = None, force: bool = False, progress: bool = False,
+            resume: str = "auto", wait: bool = False, notify: Callable[[str], None] | None = None,
+            workers: int | None = 1, worker_mode: str = "auto", max_memory: int | str | None = None,
+            allow_nonfinite: bool = False, revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
@@ -406,10 +381,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         >>> m = atom_convert.convert("DeepSeek-V3", "DeepSeek-V3-atom-gfx950", target="gfx950", tp=8)
     """
     t0 = time.perf_counter()
+    opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, profile=profile,
+                                   mla_bmm=mla_bmm, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
+                                   mori=mori)
     note = notify or log.info
     if resume not in RESUME_MODES:
         raise BadInputError(f"resume={resume!r}; choose one of {', '.join(RESUME_MODES)}")
-    size = parse_size(shard_size)
     workers = workers_mod.usable_cores() if workers is None else workers
     if workers < 1:
         raise BadInputError(f"workers must be >= 1, got {workers}")
@@ -421,7 +398,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     if worker_mode == "auto":
         worker_mode = "process" if procs.available() else "thread"
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
-    from ..hub.repo import conversion_options, conversion_record, open_source, pull_converted
+    from ..hub.repo import conversion_record, open_source, pull_converted
 
     _large_allocations_via_mmap()
     # A repo id resolves to its local snapshot folder (headers by ranged requests; shards download
@@ -430,12 +407,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     paths = None
     try:
         paths = check_destination(source.path, dst, force)
-        plan = make_plan(source, target=target, tp=tp, mtp=mtp, profile=profile, mla_bmm=mla_bmm, ep=ep,
-                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
-        main, mtp_layout = layout_shards(plan, size)
-        record = conversion_record(source, conversion_options(
-            target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep, dp_attention=dp_attention,
-            shared_experts=shared_experts, mori=mori))
+        plan = make_plan(source, opts)
+        main, mtp_layout = layout_shards(plan, opts.shard_size)
+        record = conversion_record(source, opts)
         if hub_cache is not None:
             pulled = pull_converted(hub_cache, record["content_key"], dst)
             if pulled is not None:
@@ -445,9 +419,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         source_fp = (Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"}) if source.hub
                      else source_fingerprint(source.path))
         header = {"source": source_fp.as_dict(),
-                  "options": options_fingerprint(target=target, tp=tp, shard_size=size, mtp=mtp, mla_bmm=mla_bmm,
-                                                 profile=profile, ep=ep, dp_attention=dp_attention,
-                                                 shared_experts=shared_experts, mori=mori).as_dict(),
+                  "options": options_fingerprint(opts).as_dict(),
                   "plan": plan_digest(planned)}
         created: list[Path] = []
         try:
@@ -582,24 +554,22 @@ def _read_order(plan: ConversionPlan, source: SourceCheckpoint) -> list[str]:
     return list(order)
 
 
-def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "gfx950", *, tp: int = 1,
-                 shard_size: int | str = DEFAULT_SHARD_SIZE, mtp: bool = True, mla_bmm: str = "fp8",
-                 profile: str = "atom", ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
-                 mori: bool = False, revision: str | None = None) -> dict[str, Any]:
+def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str | None = None, *,
+                 options: ConversionOptions | None = None, revision: str | None = None, **kw: Any) -> dict[str, Any]:
     """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
     tensor appears once, as rank "common"), and the parallel block; reads no tensor data (for a Hub
     repo: its configs, index and shard headers only). `src` may be an open SourceCheckpoint (its
-    header index is then reused, and it stays open)."""
+    header index is then reused, and it stays open). `options` (or its fields as keywords)."""
+    opts = ConversionOptions.build(options, target=target, **kw)
     from ..hub.repo import open_source
 
     source = src if isinstance(src, SourceCheckpoint) else open_source(src, revision)
     try:
-        plan = make_plan(source, target=target, tp=tp, mtp=mtp, mla_bmm=mla_bmm, profile=profile, ep=ep,
-                         dp_attention=dp_attention, shared_experts=shared_experts, mori=mori)
+        plan = make_plan(source, opts)
     finally:
         if source is not src:
             source.close()
-    main, mtp_layout = layout_shards(plan, parse_size(shard_size))
+    main, mtp_layout = layout_shards(plan, opts.shard_size)
     sets = []
     for role, lay in (("main", main), ("mtp", mtp_layout)):
         if lay is None:
@@ -619,6 +589,6 @@ def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str = "
                                  "tensors": len(s.names), "bytes": s.nbytes}
                                 for r in lay.shards + [lay.common] for s in r]})
     return {"architecture": plan.spec.architecture, "model_type": plan.spec.model_type,
-            "source_format": plan.source_format, "target": target, "tp": tp, "profile": plan.profile.name,
+            "source_format": plan.source_format, "target": opts.target, "tp": opts.tp, "profile": plan.profile.name,
             "parallel": plan.parallel_layout().as_dict(), "sets": sets,
             "dropped": plan.dropped, "total_bytes": sum(s["bytes"] for st in sets for s in st["shards"])}

@@ -40,7 +40,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .._version import __version__
 from ..errors import BadInputError, CheckpointError, ConvertedCheckError, HubOfflineError
@@ -48,6 +48,10 @@ from ..store.manifest import AITER_REVISION, ATOM_REVISION, FORMAT_VERSION, MANI
 from ..files.safetensors import SIDE_FILES, SIDE_SUFFIXES, auto_map_modules
 from ..files.source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 from ..store.staging import OLD_SUFFIX
+
+
+if TYPE_CHECKING:
+    from ..layout.options import ConversionOptions
 
 log = logging.getLogger(__name__)
 
@@ -332,13 +336,6 @@ def _open_cached(spec: RepoSpec, allow_nonfinite: bool = False) -> SourceCheckpo
 # ------------------------------------------------------------------------------------------------
 
 
-def conversion_options(*, target: str, tp: int, mtp: bool, mla_bmm: str, profile: str, ep: bool = False,
-                       dp_attention: bool = False, shared_experts: str = "fused", mori: bool = False) -> dict[str, Any]:
-    """The options that decide the converted bytes (shard size only splits files: not in the key)."""
-    return {"target": target, "tp": tp, "ep": ep, "dp_attention": dp_attention, "shared_experts": shared_experts,
-            "mori": mori, "mtp": mtp, "mla_bmm": mla_bmm, "profile": profile}
-
-
 def source_identity(src: SourceCheckpoint) -> dict[str, Any]:
     """What identifies the source's content without reading tensor data: the Hub commit (content
     addressed), or for a local folder the hashes of config.json and the index plus every file's size."""
@@ -359,24 +356,13 @@ def content_key(identity: dict[str, Any], options: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def conversion_record(src: SourceCheckpoint, options: dict[str, Any]) -> dict[str, Any]:
+def conversion_record(src: SourceCheckpoint, options: "ConversionOptions") -> dict[str, Any]:
     """The manifest's `conversion` block: source, options, content key and the command that reproduces it."""
     hub = getattr(src, "hub", None)
     source = f"{hub['repo_id']}@{hub['commit']}" if hub else str(src.path.resolve())
-    cmd = [f"atom-convert convert {source} DST --target {options['target']} --tp {options['tp']}"]
-    for flag in ("ep", "dp_attention", "mori"):
-        if options.get(flag):
-            cmd.append("--" + flag.replace("_", "-"))
-    if options.get("shared_experts", "fused") != "fused":
-        cmd.append(f"--shared-experts {options['shared_experts']}")
-    if options.get("profile", "atom") != "atom":
-        cmd.append(f"--profile {options['profile']}")
-    if not options["mtp"]:
-        cmd.append("--no-mtp")
-    if options["mla_bmm"] != "fp8":
-        cmd.append(f"--mla-bmm {options['mla_bmm']}")
-    return {"source": source, "options": options, "content_key": content_key(source_identity(src), options),
-            "command": " ".join(cmd), "tool_version": __version__}
+    layout = options.layout()
+    return {"source": source, "options": layout, "content_key": content_key(source_identity(src), layout),
+            "command": options.command(source), "tool_version": __version__}
 
 
 # ------------------------------------------------------------------------------------------------

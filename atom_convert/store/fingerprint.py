@@ -29,10 +29,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BadInputError
 from ..files.safetensors import (INDEX_NAME, SIDE_FILES, SIDE_SUFFIXES, SINGLE_NAME, header_bytes, member_problem, select_side_files, weight_files)
+
+
+if TYPE_CHECKING:
+    from ..layout.options import ConversionOptions
 
 # Re-exported: the files copied from SRC beside the shards are part of DST, so they are part of
 # the source fingerprint (safetensors_file.select_side_files names them).
@@ -137,19 +141,13 @@ def source_fingerprint(src: str | os.PathLike[str]) -> Fingerprint:
     return Fingerprint("source", parts)
 
 
-def options_fingerprint(*, target: str, tp: int, shard_size: int, mtp: bool, mla_bmm: str, profile: str,
-                        ep: bool = False, dp_attention: bool = False, shared_experts: str = "fused",
-                        mori: bool = False) -> Fingerprint:
-    """Fingerprint of everything besides the source that changes the output bytes.
-
-    The arguments are `convert`'s; `shard_size` in bytes (after parsing "5GB"). Adds the tool
-    version and the layout revision.
-    """
+def options_fingerprint(options: "ConversionOptions") -> Fingerprint:
+    """Fingerprint of everything besides the source that changes the output bytes: the options
+    value's fields (`ConversionOptions.fingerprint_parts`, the shard size in bytes), the tool
+    version and the layout revision."""
     from .._version import __version__
     from .manifest import AITER_REVISION, ATOM_REVISION, FORMAT_VERSION, LAYOUT_REVISION
 
-    parts = {"target": target, "tp": str(tp), "shard_size": str(shard_size), "mtp": str(bool(mtp)),
-             "mla_bmm": mla_bmm, "profile": profile, "ep": str(bool(ep)), "dp_attention": str(bool(dp_attention)),
-             "shared_experts": shared_experts, "mori": str(bool(mori)), "tool_version": __version__,
+    parts = {**options.fingerprint_parts(), "tool_version": __version__,
              "layout_revision": f"{LAYOUT_REVISION}/atom-{ATOM_REVISION}/aiter-{AITER_REVISION}/manifest-v{FORMAT_VERSION}"}
     return Fingerprint("options", parts)
