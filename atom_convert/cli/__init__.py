@@ -284,7 +284,7 @@ def upload(dst: Path, repo_id: str, private: bool, revision: str | None, create_
     """Publish the converted directory DST to the Hub repo REPO_ID with a model card (README.md).
     DST's files must match its manifest (sizes and sha256). Re-running after an interruption
     skips the files the Hub already holds. HF_TOKEN (or `hf auth login`) gives write access."""
-    from ..hub.repo import upload as run_upload
+    from ..hub.publish import upload as run_upload
 
     r = run_upload(dst, repo_id, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run,
                    base_model=base_model)

@@ -164,7 +164,7 @@ def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str
 def _hub_fetch(src: str | os.PathLike[str], repo: str, options: ConversionOptions) -> Fetch:
     """The `fetch` step for a Hub cache: pull `repo` into DST when its content key (hub.py: the
     source's identity without tensor data, and the options that decide the bytes) is this one's."""
-    from ..hub.repo import conversion_record, pull_converted
+    from ..hub.pull import conversion_record, pull_converted
 
     def fetch(dst: Path, _want: dict[str, Any]) -> bool:
         source = open_source(src)

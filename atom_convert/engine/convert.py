@@ -398,7 +398,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     if worker_mode == "auto":
         worker_mode = "process" if procs.available() else "thread"
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
-    from ..hub.repo import conversion_record, open_source, pull_converted
+    from ..hub.pull import conversion_record, pull_converted
+    from ..hub.repo import open_source
 
     _large_allocations_via_mmap()
     # A repo id resolves to its local snapshot folder (headers by ranged requests; shards download

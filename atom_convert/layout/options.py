@@ -6,7 +6,7 @@ The CLI, `convert`, `ensure_converted` and the Hub flows build one and pass it o
 saying "the same conversion" all derive from it:
 - the options fingerprint (`store.fingerprint.options_fingerprint(options)`: resume and cache records),
   from `fingerprint_parts()`;
-- the content key (`hub.repo.content_key`: a converted repo on the Hub), from `layout()`;
+- the content key (`hub.pull.content_key`: a converted repo on the Hub), from `layout()`;
 - the cache entry (`engine.cache`), from the fingerprint's digest.
 """
 
