@@ -218,7 +218,7 @@ def child_bound(src: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import inspect
 
     import atom_convert
-    from atom_convert.engine.convert import make_plan
+    from atom_convert.engine.planning import make_plan
     from atom_convert.files.source import SourceCheckpoint
 
     if "workers" not in inspect.signature(atom_convert.convert).parameters:

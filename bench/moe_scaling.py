@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from atom_convert.layout import buffers  # noqa: E402
 from atom_convert.engine import workers as workers_mod  # noqa: E402
-from atom_convert.engine.convert import make_plan  # noqa: E402
+from atom_convert.engine.planning import make_plan  # noqa: E402
 from atom_convert.layout.plan import Group, OutTensor  # noqa: E402
 from atom_convert.files.source import SourceCheckpoint  # noqa: E402
 from atom_convert.engine.writer import _as_bytes  # noqa: E402  the writer's own zero-copy byte view

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from atom_convert.engine import workers
-from atom_convert.engine.convert import make_plan
+from atom_convert.engine.planning import make_plan
 from atom_convert.files.source import SourceCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]

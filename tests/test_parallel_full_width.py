@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from atom_convert.engine.convert import plan_summary
+from atom_convert.engine.planning import plan_summary
 from atom_convert.errors import UnsupportedError
 from atom_convert.layout.codecs.fp8_block import scale_grid
 from atom_convert.files.source import SourceCheckpoint

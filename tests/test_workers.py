@@ -26,7 +26,7 @@ import pytest
 import atom_convert
 from atom_convert.engine import procs
 from atom_convert.engine import workers as wk
-from atom_convert.engine.convert import make_plan
+from atom_convert.engine.planning import make_plan
 from atom_convert.errors import AtomConvertError
 from atom_convert.files.source import SourceCheckpoint
 from atom_convert.synth import build_random, load_preset

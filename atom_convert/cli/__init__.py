@@ -102,7 +102,7 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
     conversion (Ctrl-C, SIGTERM, a kill, disk full) is continued by running the same command
     again. One conversion per DST at a time (a lock file beside DST)."""
     from ..engine.convert import convert as run_convert
-    from ..engine.convert import plan_summary
+    from ..engine.planning import plan_summary
 
     from ..layout.options import ConversionOptions
 

@@ -40,40 +40,25 @@ import torch
 from tqdm import tqdm
 
 from ..layout import buffers
-from ..layout import arch as loaders
 from . import procs
-from ..layout import codecs as quant
 from . import workers as workers_mod
-from ..errors import BadInputError, Interrupted, UnsupportedError
+from ..errors import BadInputError, Interrupted
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..store.manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
-from ..layout.model import ModelSpec
-from ..layout.options import DEFAULT_SHARD_SIZE, ConversionOptions, parse_size  # noqa: F401 (re-exported)
-from ..layout.parallel import Parallel
-from ..layout.plan import COMMON, ConversionPlan, ModelPlan, OutTensor, ShardPlan, assign_shards
+from ..layout.options import ConversionOptions, parse_size
+from .planning import MTP_DIR, SetLayout, layout_shards, make_plan, planned_shards
+from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
 from .prefetch import Prefetcher
-from ..layout.profile import get_profile
-from ..files.dtypes import TARGETS
 from ..files.safetensors import side_files
 from ..files.source import SourceCheckpoint
 from ..store.staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents, os_error_message, plan_digest, remove_created)
-from .writer import FaultHook, ProcessShardWriter, ShardSetWriter, _IOThread, header_digest
+from .writer import FaultHook, ProcessShardWriter, ShardSetWriter, _IOThread
 
 log = logging.getLogger(__name__)
 
-MTP_DIR = "mtp"
 
 RESUME_MODES = ("auto", "resume", "restart")
 WORKER_MODES = ("auto", "process", "thread")
-
-
-@dataclass
-class SetLayout:
-    """One converted set (main or MTP): its plan and each rank's shards."""
-
-    plan: ModelPlan
-    shards: list[list[ShardPlan]]  # per rank: the rank's own files
-    common: list[ShardPlan]  # files every rank maps (tensors identical on every rank, spec atom-parallel.md §3.1)
 
 
 def _large_allocations_via_mmap() -> None:
@@ -114,33 +99,6 @@ def _one_intra_op_thread() -> Iterator[None]:
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
-
-
-def make_plan(src: SourceCheckpoint, options: ConversionOptions | None = None, **kw: Any) -> ConversionPlan:
-    """The conversion plan of `src` for `options` (or the same fields as keywords)."""
-    opts = ConversionOptions.build(options, **kw)
-    spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
-    fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
-    loader = loaders.get_loader(spec)
-    prof = get_profile(opts.profile)
-    plan = loader.plan(src, spec, fmt, target=opts.target, tp=opts.tp, profile=prof, mtp=opts.mtp,
-                       mla_bmm=opts.mla_bmm, parallel=opts.parallel())
-    prof.apply(plan)  # the one renaming step: loaders plan with ATOM-native names
-    return plan
-
-
-def _set_layout(plan: ConversionPlan, mplan: ModelPlan, shard_size: int) -> SetLayout:
-    outs = mplan.outputs()
-    common = [o for o in outs if plan.is_common(o)]
-    own = [o for o in outs if not plan.is_common(o)]
-    shards = [assign_shards(own, r, plan.tp, shard_size) if own else [] for r in range(plan.tp)]
-    return SetLayout(mplan, shards, assign_shards(common, COMMON, plan.tp, shard_size) if common else [])
-
-
-def layout_shards(plan: ConversionPlan, shard_size: int) -> tuple[SetLayout, SetLayout | None]:
-    main = _set_layout(plan, plan.main, shard_size)
-    mtp = _set_layout(plan, plan.mtp, shard_size) if plan.mtp is not None else None
-    return main, mtp
 
 
 def _item_outputs(item: workers_mod.Item, plan: ConversionPlan,
@@ -310,19 +268,6 @@ def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
     return copied
 
 
-def _planned_shards(main: SetLayout, mtp: SetLayout | None) -> dict[str, str]:
-    """Every shard's path relative to DST -> the digest of its header (what the journal checks)."""
-    planned = {}
-    for lay, prefix in ((main, ""), (mtp, f"{MTP_DIR}/")):
-        if lay is None:
-            continue
-        by_name = {o.name: o for o in lay.plan.outputs()}
-        for shards in lay.shards + [lay.common]:
-            for sp in shards:
-                planned[prefix + sp.file] = header_digest(sp, by_name)
-    return planned
-
-
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str | None = None, *,
             tp: int | None = None, shard_size: int | str | None = None, mtp: bool | None = None,
             profile: str | None = None, mla_bmm: str | None = None, ep: bool | None = None,
@@ -415,7 +360,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             pulled = pull_converted(hub_cache, record["content_key"], dst)
             if pulled is not None:
                 return {**pulled, "pulled_from": hub_cache}
-        planned = _planned_shards(main, mtp_layout)
+        planned = planned_shards(main, mtp_layout)
         # A Hub source is content-addressed by its commit (its shards may not be downloaded yet).
         source_fp = (Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"}) if source.hub
                      else source_fingerprint(source.path))
@@ -553,43 +498,3 @@ def _read_order(plan: ConversionPlan, source: SourceCheckpoint) -> list[str]:
                 if name in source:
                     order.setdefault(source.info(name).file, None)
     return list(order)
-
-
-def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str | None = None, *,
-                 options: ConversionOptions | None = None, revision: str | None = None, **kw: Any) -> dict[str, Any]:
-    """The dry-run plan: every output tensor with dtype, shape, bytes and file per rank (a common
-    tensor appears once, as rank "common"), and the parallel block; reads no tensor data (for a Hub
-    repo: its configs, index and shard headers only). `src` may be an open SourceCheckpoint (its
-    header index is then reused, and it stays open). `options` (or its fields as keywords)."""
-    opts = ConversionOptions.build(options, target=target, **kw)
-    from ..hub.repo import open_source
-
-    source = src if isinstance(src, SourceCheckpoint) else open_source(src, revision)
-    try:
-        plan = make_plan(source, opts)
-    finally:
-        if source is not src:
-            source.close()
-    main, mtp_layout = layout_shards(plan, opts.shard_size)
-    sets = []
-    for role, lay in (("main", main), ("mtp", mtp_layout)):
-        if lay is None:
-            continue
-        rows = []
-        pre = f"{MTP_DIR}/" if role == "mtp" else ""
-        for rank, shards in [*enumerate(lay.shards), ("common", lay.common)]:
-            file_of = {n: s.file for s in shards for n in s.names}
-            for o in lay.plan.outputs():
-                if o.name in file_of:
-                    rows.append({"rank": rank, "name": o.name,
-                                 "dtype": o.runtime_dtype or str(o.dtype).removeprefix("torch."),
-                                 "shape": list(o.shape), "bytes": o.nbytes, "file": pre + file_of[o.name],
-                                 "split": o.split.as_dict()})
-        sets.append({"role": role, "tensors": rows,
-                     "shards": [{"file": s.file, "rank": "common" if s.rank == COMMON else s.rank,
-                                 "tensors": len(s.names), "bytes": s.nbytes}
-                                for r in lay.shards + [lay.common] for s in r]})
-    return {"architecture": plan.spec.architecture, "model_type": plan.spec.model_type,
-            "source_format": plan.source_format, "target": opts.target, "tp": opts.tp, "profile": plan.profile.name,
-            "parallel": plan.parallel_layout().as_dict(), "sets": sets,
-            "dropped": plan.dropped, "total_bytes": sum(s["bytes"] for st in sets for s in st["shards"])}
