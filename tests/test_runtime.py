@@ -404,3 +404,12 @@ def test_runner_refuses_another_parallel_layout(runner_cls, converted):
         return model
     with pytest.raises(ManifestMismatchError, match="ep: the manifest says 1, declared 2"):
         _run(runner_cls, _AtomConfig(d, tp=2), 0, with_ep)
+
+
+def test_vllm_data_parallel_refused_with_what_to_do(converted):
+    """vLLM DP x EP unfuses the shared expert and numbers files by EP rank: no conversion writes it."""
+    from atom_convert.errors import UnsupportedError
+
+    d = converted("tiny-deepseek-v3", "bf16", "gfx950", tp=2)
+    with pytest.raises(UnsupportedError, match="data_parallel_size 2.*tensor parallel only"):
+        vllm_plugin.load_weights(_Wrapper(nn.Module()), str(d), rank=0, tp_size=1, device=torch.device("cpu"), dp=2)

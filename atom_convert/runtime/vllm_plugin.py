@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BadInputError
+from ..errors import BadInputError, UnsupportedError
 from .common import live_parallel, mtp_path, restore
 
 LOAD_FORMAT = "atom_converted"
@@ -90,6 +90,14 @@ def load_weights(model: nn.Module, path: str, *, rank: int, tp_size: int, device
     """Steps 1-4 of the module docstring for the wrapper `model`; returns the loaded-name set. `draft`:
     the MTP drafter, filled from the converted `mtp/` set (or refused, naming what to do)."""
     inner = model.model if hasattr(model, "model") else model
+    if dp > 1:
+        # vLLM DP x EP flattens EP over dp*tp ranks and unfuses the shared expert (plugin/config.py
+        # 354-356; atom-parallel.md §3.2): no conversion writes that layout, and the files a rank needs
+        # are its EP rank's, not its TP rank's.
+        raise UnsupportedError(
+            f"{path}: vLLM data parallel (data_parallel_size {dp}) with the atom_converted load format is not a "
+            "layout atom-convert writes; serve with tensor parallel only (--tensor-parallel-size N, optionally "
+            "--enable-expert-parallel), or load the original checkpoint")
     src = mtp_path(path) if draft else Path(path)
     par = live_parallel(inner, world=tp_size, dp=dp, dp_attention=False)  # DP-attention is off in the plugin (§4)
     stats, _ = restore(model, src, rank=rank, device=device, parallel=par, profile=PROFILE)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every check of this harness; converts the fixtures with the project's CLI first (DSTs under dst/).
+set -u; cd "$(dirname "$0")"; ROOT=$(cd ../.. && pwd); C=$ROOT/.venv/bin/atom-convert; S=${FIXTURES:-/tmp/fx/src}
+DSTD=${DSTD:-/tmp/plugin-oracle-dst}; mkdir -p "$DSTD"; ln -sfn "$DSTD" dst
+cv(){ d=dst/$1; shift; rm -rf "$d"; (cd "$ROOT" && $C convert "$@" "$PWD/$d" >/dev/null) || echo "convert $d failed"; }
+cv v3-fp8-plugin $S/v3-fp8 --target gfx950 --profile vllm-plugin
+cv kimi-fp8-plugin-tp2ep $S/kimi-fp8 --target gfx950 --profile vllm-plugin --tp 2 --ep
+cv kimi-fp8-plugin-tp2 $S/kimi-fp8 --target gfx950 --profile vllm-plugin --tp 2
+cv v3-fp8-plugin-tp2ep $S/v3-fp8 --target gfx950 --profile vllm-plugin --tp 2 --ep
+cv v3-bf16-plugin $S/v3-bf16 --target gfx950 --profile vllm-plugin
+cv v3-mxfp4-plugin $S/v3-mxfp4 --target gfx950 --profile vllm-plugin
+cv v3-fp8-plugin-mxbmm $S/v3-fp8 --target gfx950 --profile vllm-plugin --mla-bmm mxfp4
+cv v3-fp8-plugin-gfx942 $S/v3-fp8 --target gfx942 --profile vllm-plugin
+cv v3-fp8-native $S/v3-fp8 --target gfx950
+rc=0
+./run_pair.sh v3fp8-tp1-mtp $S/v3-fp8 dst/v3-fp8-plugin 1 --mtp || rc=1
+./run_pair.sh kimi-tp2ep $S/kimi-fp8 dst/kimi-fp8-plugin-tp2ep 2 --ep || rc=1
+./run_pair.sh kimi-tp2 $S/kimi-fp8 dst/kimi-fp8-plugin-tp2 2 || rc=1
+./run_pair.sh v3fp8-tp2ep-mtp $S/v3-fp8 dst/v3-fp8-plugin-tp2ep 2 --ep --mtp || rc=1
+./run_pair.sh v3bf16-tp1-mtp $S/v3-bf16 dst/v3-bf16-plugin 1 --mtp || rc=1
+./run_pair.sh v3mxfp4-tp1 $S/v3-mxfp4 dst/v3-mxfp4-plugin 1 || rc=1
+./run_pair.sh v3fp8-mxbmm-mtp $S/v3-fp8 dst/v3-fp8-plugin-mxbmm 1 --mtp --env ATOM_USE_TRITON_MXFP4_BMM=1 || rc=1
+./run_pair.sh v3fp8-gfx942-mtp $S/v3-fp8 dst/v3-fp8-plugin-gfx942 1 --mtp --gfx gfx942 || rc=1
+./run_pair.sh v3fp8-nativeprofile-mtp $S/v3-fp8 dst/v3-fp8-native 1 --mtp || rc=1
+./run_dp.sh v3fp8-dp2ep $S/v3-fp8 dst/v3-fp8-plugin-tp2ep 2 --ep   # expected: the project refuses (no such layout)
+exit $rc
