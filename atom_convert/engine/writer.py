@@ -11,8 +11,8 @@ depend on the number of workers or on the order of completion.
 
 How it works:
 1. A shard file is opened when its first tensor is written: the header goes
-   to offset 0, and a hashing thread for that file starts.
-2. Each worker hands its buffers to its own write-behind thread (`_IOThread`),
+   to offset 0 (its layout: shard_header.py), and a hashing thread for that file starts.
+2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
    which `pwrite`s them at their offsets and marks the byte range done.
 3. A shard's hashing thread follows the contiguous done prefix of its file and
    feeds sha256 by reading the bytes back with `preadv` (they are in the page
@@ -30,11 +30,8 @@ The files are plain safetensors: `safe_open` reads them.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
-import queue
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,41 +42,14 @@ import torch
 from ..errors import AtomConvertError
 from ..store.manifest import WrittenFile
 from ..layout.plan import OutTensor, ShardPlan
-from ..files.dtypes import ST_DTYPE
 from ..store.staging import PARTIAL_SUFFIX, Journal, Sealed, fsync_dir
-
-_ALIGN = 8  # header padded so that tensor data starts 8-byte aligned (as safetensors does)
-
-
-def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...], int]],
-                       metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length plus the JSON header for tensors laid out back to back in order."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    off = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
-        off += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % _ALIGN)
-    return struct.pack("<Q", len(raw)) + raw
+from .shard_header import _ALIGN, header_digest, safetensors_header, shard_header, shard_layout  # noqa: F401
+from .write_behind import Cancelled, _IOThread
 
 
 def _as_bytes(t: torch.Tensor) -> Any:
     """A zero-copy byte view (numpy) of a contiguous tensor of any dtype."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def shard_header(plan: ShardPlan, outputs: dict[str, OutTensor]) -> bytes:
-    """The exact first bytes of a planned shard; their sha256 identifies the shard's plan in the journal."""
-    return safetensors_header([(n, outputs[n].dtype, outputs[n].shape, outputs[n].nbytes) for n in plan.names],
-                              metadata={"format": "pt"})
-
-
-def header_digest(plan: ShardPlan, outputs: dict[str, OutTensor]) -> str:
-    return hashlib.sha256(shard_header(plan, outputs)).hexdigest()
-
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> int:
@@ -113,101 +83,6 @@ class FaultHook:
         return None
 
 
-class Cancelled(Exception):
-    """Raised in a worker when another worker failed or the run was interrupted: stop at the next buffer."""
-
-
-class _IOThread:
-    """Runs a worker's writes in order, off its producing thread (write-behind: the producer
-    prepares the next expert while the previous one is copied into the page cache)."""
-
-    # Waits here are in short steps: a process-directed signal (Ctrl-C, SIGTERM) is handled on
-    # the main thread, and only waits that return now and then let everything notice a stop
-    # when a write is stuck (a dead network filesystem).
-    _POLL_S = 0.2
-
-    def __init__(self, depth: int = 4, stop: threading.Event | None = None):
-        self._q: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self._aborted = threading.Event()
-        self._stop = stop or threading.Event()
-        self._t = threading.Thread(target=self._run, name="atom-convert-writer", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                if self._error is None and not self._aborted.is_set():
-                    fn, args = item
-                    try:
-                        fn(*args)
-                    except BaseException as e:  # noqa: BLE001  re-raised on the submitting thread
-                        self._error = e
-                    del fn, args
-                del item  # do not keep the last buffer (and the file pages it views) alive
-            finally:
-                self._q.task_done()
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._stop.is_set() or self._aborted.is_set():
-            raise Cancelled()
-
-    def drain(self) -> None:
-        """Block until every submitted write is done."""
-        with self._q.all_tasks_done:
-            while self._q.unfinished_tasks:
-                if self._stop.is_set() or self._aborted.is_set():
-                    raise Cancelled()
-                self._q.all_tasks_done.wait(self._POLL_S)
-        self._check()
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        while True:
-            self._check()
-            try:
-                self._q.put((fn, args), timeout=self._POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def close(self) -> None:
-        while True:
-            self._check()
-            try:
-                self._q.put(None, timeout=self._POLL_S)
-                break
-            except queue.Full:
-                continue
-        while self._t.is_alive():  # join in steps: a stop is still noticed
-            self._t.join(self._POLL_S)
-            if self._stop.is_set():
-                raise Cancelled()
-        if self._error is not None:
-            raise self._error
-
-    def abort(self, timeout: float = 10.0) -> None:
-        """Stop soon: queued writes are dropped; the running one (a single write) may finish.
-        Waits at most `timeout` s; the thread is a daemon, so a write stuck for ever cannot keep
-        the process alive either."""
-        self._aborted.set()
-        while True:
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
-            self._q.task_done()
-        try:
-            self._q.put_nowait(None)
-        except queue.Full:
-            pass
-        self._t.join(timeout)
-
-
 @dataclass
 class _Piece:
     """Bytes to write at an absolute file offset."""
@@ -218,15 +93,6 @@ class _Piece:
 
 HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWriter's hash_read)
 
-
-def shard_layout(plan: ShardPlan, outputs: dict[str, OutTensor]) -> tuple[bytes, dict[str, int], int]:
-    """A planned shard's header, each tensor's absolute byte offset, and the file's size."""
-    header = shard_header(plan, outputs)
-    offsets, off = {}, len(header)
-    for n in plan.names:
-        offsets[n] = off
-        off += outputs[n].nbytes
-    return header, offsets, off
 
 
 class _ShardIO:

@@ -1,7 +1,7 @@
 """DeepSeek V2/V2-Lite/V3/R1 and Kimi-K2 -> ATOM's post-load layout.
 
 How it works:
-1. Declarative tables below say, per decoder layer, which source modules feed
+1. Declarative tables (deepseek_rules.py) say, per decoder layer, which source modules feed
    which runtime module and how tensor parallelism splits them (spec §2, §5).
 2. `DeepseekLoader.plan` checks every source tensor against config.json (name,
    dtype, shape, scale grid), then builds one `Group` of `OutTensor`s per layer.
@@ -9,37 +9,32 @@ How it works:
    sources when the writer asks for it, applies the post-load steps in ATOM's
    order (fnuz on gfx942, then shuffle16, spec §3.2), and yields the bytes.
 4. Two code hooks cover what is not a table row: the expert stack (with the
-   shared expert as slot E) and the MLA operands W_K/W_V (spec §4.1).
+   shared expert as slot E, deepseek_experts.py) and the MLA operands W_K/W_V
+   (spec §4.1, deepseek_mla.py).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from enum import Enum
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ...errors import BadInputError, CheckpointError, ConfigError, UnsupportedError
 from ..model import ModelSpec
-from ..parallel import REPLICATED, Parallel, Split
+from ..parallel import Parallel
 from ..plan import ConversionPlan, Group, ModelPlan, OutTensor
-from ..postload import LINEAR, MOE, TensorSpec
-from ..profile import NATIVE_MLA_OWNER, NamingProfile
-from ..codecs.base import LinearCodec, LinearData, SourceFormat
-from ..codecs.bf16 import FLOAT_DTYPES, Bf16Linear
-from ...files.dtypes import FP8_DTYPE_BY_TARGET
-from ..codecs.fp8_block import identity_readback
-from ..codecs.mxfp4 import MXFP4_BLOCK, dynamic_mxfp4_quant
-from ..codecs.per_tensor import per_tensor_quant
+from ..profile import NamingProfile
+from ..codecs.base import LinearCodec, SourceFormat
+from ..codecs.bf16 import Bf16Linear
 from ...files.source import SourceCheckpoint
 from .base import ArchLoader
+from .deepseek_experts import _plan_experts
+from .deepseek_mla import MXFP4_ROUNDING, _plan_mla, kv_b_bf16, mla_operands  # noqa: F401  (re-exported)
+from .deepseek_rules import (ATTENTION, BF16, DENSE_MLP, EH_PROJ, KV_B, MTP_VECTORS, NORMS, SHARED_MLP,  # noqa: F401
+                             Dims, LinearRule, Par, _Ctx, _plain, _plan_linear)
 
-BF16 = torch.bfloat16
-
-# ATOM's layout flags and their defaults at the layout's ATOM revision (atom/utils/envs.py; spec
 # §6.2). A conversion records the values it assumed (the defaults, but ATOM_USE_TRITON_MXFP4_BMM
 # under --mla-bmm mxfp4) so that a runtime with other flags refuses the files (spec §8.10); a
 # runtime's unset flag counts with its default here (runtime/common.live_flags).
@@ -56,460 +51,11 @@ ATOM_FLAG_DEFAULTS: dict[str, int] = {
 # tensor-parallel size are facts of the manifest's `parallel` record, stated once there.
 LAYOUT_FLAGS: dict[str, Any] = {**ATOM_FLAG_DEFAULTS, "moe_backend": "standard"}
 
-# The rounding of the MXFP4 MLA operands (spec §10.1): pinned per layout revision.
-MXFP4_ROUNDING = "aiter e4048607a triton dynamic_mxfp4_quant: e8m0 from amax rounded up, e2m1 half to even, -0 kept"
-
 # Source names dropped by ATOM's name rewriting (spec §1.2 rule 3).
 DROP_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r".*kv_scale$"), "kv-cache scale: ATOM never loads one; MLA uses k-scale 1.0 (spec §1.2 rule 3)"),
     (re.compile(r".*inv_freq.*"), "rotary inv_freq: rebuilt by the runtime (spec §1.2 rule 3)"),
 )
-
-
-class Par(Enum):
-    """How tensor parallelism splits a linear (spec §5)."""
-
-    REPLICATED = "replicated"  # every rank holds all of it
-    COLUMN = "column"  # output rows split; with several parts, each part split then concatenated
-    ROW = "row"  # input columns split
-
-
-Dims = Callable[[ModelSpec], tuple[tuple[int, int], ...]]
-
-
-@dataclass(frozen=True)
-class LinearRule:
-    out: str  # runtime module path under the layer prefix
-    parts: tuple[str, ...]  # source module paths under the layer prefix, in row order
-    par: Par
-    dims: Dims  # full (out_features, in_features) of each part
-    when: Callable[[ModelSpec], bool] = lambda s: True
-
-
-def _q_lora(s: ModelSpec) -> bool:
-    return s.Q is not None
-
-
-def _no_q_lora(s: ModelSpec) -> bool:
-    return s.Q is None
-
-
-# spec §2.2 (variant A: q_lora_rank set; variant B: V2-Lite)
-ATTENTION: tuple[LinearRule, ...] = (
-    LinearRule("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), Par.REPLICATED,
-               lambda s: ((s.Q, s.H), (s.L + s.R, s.H)), _q_lora),
-    LinearRule("self_attn.q_b_proj", ("self_attn.q_b_proj",), Par.COLUMN, lambda s: ((s.Nh * (s.P + s.R), s.Q),), _q_lora),
-    LinearRule("self_attn.q_proj", ("self_attn.q_proj",), Par.COLUMN, lambda s: ((s.Nh * (s.P + s.R), s.H),), _no_q_lora),
-    LinearRule("self_attn.kv_a_proj_with_mqa", ("self_attn.kv_a_proj_with_mqa",), Par.REPLICATED,
-               lambda s: ((s.L + s.R, s.H),), _no_q_lora),
-    LinearRule("self_attn.kv_b_proj", ("self_attn.kv_b_proj",), Par.COLUMN, lambda s: ((s.Nh * (s.P + s.V), s.L),)),
-    LinearRule("self_attn.o_proj", ("self_attn.o_proj",), Par.ROW, lambda s: ((s.H, s.Nh * s.V),)),
-)
-KV_B = ATTENTION[4]
-
-# spec §2.3: gate first, then up.
-DENSE_MLP: tuple[LinearRule, ...] = (
-    LinearRule("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), Par.COLUMN, lambda s: ((s.Id, s.H), (s.Id, s.H))),
-    LinearRule("mlp.down_proj", ("mlp.down_proj",), Par.ROW, lambda s: ((s.H, s.Id),)),
-)
-
-# spec §2.4 "when not fused": one MLP of width I*S.
-SHARED_MLP: tuple[LinearRule, ...] = (
-    LinearRule("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-               Par.COLUMN, lambda s: ((s.I * s.S, s.H), (s.I * s.S, s.H))),
-    LinearRule("mlp.shared_experts.down_proj", ("mlp.shared_experts.down_proj",), Par.ROW, lambda s: ((s.H, s.I * s.S),)),
-)
-
-# Replicated 1-D tensors per layer: (name, length).
-NORMS: tuple[tuple[str, Callable[[ModelSpec], int | None]], ...] = (
-    ("input_layernorm.weight", lambda s: s.H),
-    ("post_attention_layernorm.weight", lambda s: s.H),
-    ("self_attn.q_a_layernorm.weight", lambda s: s.Q),
-    ("self_attn.kv_a_layernorm.weight", lambda s: s.L),
-)
-
-EH_PROJ = LinearRule("eh_proj", ("eh_proj",), Par.REPLICATED, lambda s: ((s.H, 2 * s.H),))
-
-# MTP extras beside the decoder block (spec §2.6).
-MTP_VECTORS = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
-
-
-@dataclass
-class _Ctx:
-    """What every producer needs; one per conversion."""
-
-    src: SourceCheckpoint
-    spec: ModelSpec
-    fmt: SourceFormat
-    target: str
-    tp: int
-    profile: NamingProfile
-    problems: list[str]
-    consumed: set[str]
-    mla_bmm: str = "fp8"
-    par: Parallel = Parallel()  # `tp` above is its attn_tp: the aiter TP group of everything but routed experts
-
-    def split(self, kind: str, dim: int = 0) -> Split:
-        """A non-expert tensor cut in `tp` pieces (replicated when tp is 1)."""
-        return Split(kind, self.tp, dim) if self.tp > 1 else REPLICATED
-
-    @property
-    def fp8(self) -> torch.dtype:
-        return FP8_DTYPE_BY_TARGET[self.target]
-
-
-# --------------------------------------------------------------------------------------------
-# Planning helpers: checks first (collecting every problem), then OutTensors.
-# --------------------------------------------------------------------------------------------
-
-
-def _check_float(ctx: _Ctx, name: str, shape: tuple[int, ...], optional: bool = False) -> bool:
-    """A plain float tensor (norm, embedding, router...). Returns whether it is present."""
-    if name not in ctx.src:
-        if not optional:
-            ctx.problems.append(f"missing tensor {name} (expected a bf16 tensor of shape {list(shape)})")
-        return False
-    info = ctx.src.info(name)
-    if info.dtype not in FLOAT_DTYPES:
-        ctx.problems.append(f"{info.file}: tensor {name} has dtype {info.dtype}, expected bfloat16 (or float32)")
-    if info.shape != shape:
-        ctx.problems.append(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
-    ctx.consumed.add(name)
-    return True
-
-
-_CHUNK_BYTES = 64 << 20
-
-
-def _rows_in_chunks(ctx: _Ctx, name: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
-    """Rows [lo, hi) in pieces of at most 64 MB: an embedding is 1.85 GB (V3), and one view of it
-    all would keep all of it resident. A bf16 source piece is yielded as the view itself (the
-    writer copies it into the file; its pages leave the resident set when the write is done and
-    the view goes, source.py): no torch copy for the 3.7 GB of V3's embedding and lm_head."""
-    info = ctx.src.info(name)
-    row = max(1, info.nbytes // max(1, info.shape[0]))
-    step = max(1, _CHUNK_BYTES // row)
-    for a in range(lo, hi, step):
-        chunk = ctx.src.get_rows(name, a, min(hi, a + step)).to(BF16)
-        yield chunk
-        del chunk
-
-
-def _whole(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
-    shape = ctx.src.info(name).shape
-    if len(shape) < 2:
-        yield ctx.src.get(name).to(BF16, copy=True)
-        return
-    yield from _rows_in_chunks(ctx, name, 0, shape[0])
-
-
-def _vocab_rows(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
-    n = ctx.src.info(name).shape[0] // ctx.tp
-    yield from _rows_in_chunks(ctx, name, rank * n, (rank + 1) * n)
-
-
-def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], vocab: bool = False,
-           optional: bool = False) -> list[OutTensor]:
-    if not _check_float(ctx, src_name, shape, optional):
-        return []
-    if vocab:
-        if shape[0] % ctx.tp:
-            raise UnsupportedError(
-                f"{src_name}: vocab size {shape[0]} is not divisible by tp={ctx.tp}; ATOM splits the vocabulary "
-                f"evenly without padding (spec §2.1)"
-            )
-        local = (shape[0] // ctx.tp, *shape[1:])
-        return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name), split=ctx.split("dim"),
-                          chunk_bytes=_CHUNK_BYTES)]
-    return [OutTensor(out_name, BF16, shape, (src_name,), partial(_whole, ctx, src_name),
-                      chunk_bytes=_CHUNK_BYTES if len(shape) > 1 else 0)]
-
-
-def _local_rows(par: Par, rows: int, tp: int) -> int:
-    return rows // tp if par is Par.COLUMN else rows
-
-
-def _check_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[LinearCodec]) -> None:
-    """Shape/dtype of every part, and whether ATOM can split and fuse it at this tp."""
-    s, tp = ctx.spec, ctx.tp
-    dims = rule.dims(s)
-    for part, (o, i), codec in zip(rule.parts, dims, codecs):
-        module = src_prefix + part
-        ctx.problems.extend(codec.check(ctx.src, module, o, i))
-        ctx.consumed.update(codec.source_names(module))
-    if len({c.name for c in codecs}) > 1:
-        kinds = ", ".join(f"{src_prefix + p}: {c.name}" for p, c in zip(rule.parts, codecs))
-        raise UnsupportedError(
-            f"{src_prefix + rule.out}: its parts are stored in different formats ({kinds}); ATOM fuses them "
-            f"into one parameter of one format. Quantize all parts or none (check the exclude/ignore list)."
-        )
-    for part, (o, i) in zip(rule.parts, dims):
-        if rule.par is Par.COLUMN and o % tp:
-            raise UnsupportedError(f"{src_prefix + part}: {o} output rows are not divisible by tp={tp}")
-        if rule.par is Par.ROW and i % tp:
-            raise UnsupportedError(f"{src_prefix + part}: {i} input columns are not divisible by tp={tp}")
-    rows = [_local_rows(rule.par, o, tp) for o, _ in dims]
-    cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
-    LINEAR[codecs[0].name].check(src_prefix + rule.out, rows, cols, rule.par is Par.COLUMN and tp > 1,
-                                 rule.par is Par.ROW and tp > 1, tp, [src_prefix + p for p in rule.parts])
-
-
-def _read_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[LinearCodec], rank: int) -> LinearData:
-    """The rank's slice of every part, concatenated in row order, as stored in the source."""
-    tp = ctx.tp
-    ws, ss = [], []
-    for part, (o, i), codec in zip(rule.parts, rule.dims(ctx.spec), codecs):
-        module = src_prefix + part
-        if rule.par is Par.COLUMN and tp > 1:
-            d = codec.read(ctx.src, module, 0, rank * o // tp, (rank + 1) * o // tp)
-        elif rule.par is Par.ROW and tp > 1:
-            d = codec.read(ctx.src, module, 1, rank * i // tp, (rank + 1) * i // tp)
-        else:
-            d = codec.read(ctx.src, module)
-        ws.append(d.weight)
-        if d.scale is not None:
-            ss.append(d.scale)
-    w = torch.cat(ws, 0) if len(ws) > 1 else ws[0]
-    s = (torch.cat(ss, 0) if len(ss) > 1 else ss[0]) if ss else None
-    return LinearData(w, s)
-
-
-def _linear_weight(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_name: str, codecs: list[LinearCodec],
-                   rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
-    d = _read_linear(ctx, rule, src_prefix, codecs, rank)
-    w, s = LINEAR[codecs[0].name].apply(d.weight, d.scale, ctx.target)
-    if s is not None:
-        cache[out_name + "_scale"] = s.clone()
-    yield w
-
-
-def _linear_scale(ctx: _Ctx, rule: LinearRule, src_prefix: str, codecs: list[LinearCodec], rank: int,
-                  cache: dict[str, Any], key: str) -> Iterator[torch.Tensor]:
-    s = cache.pop(key, None)
-    if s is None:
-        d = _read_linear(ctx, rule, src_prefix, codecs, rank)
-        s = LINEAR[codecs[0].name].apply(d.weight, d.scale, ctx.target)[1]
-    yield s
-
-
-def _plan_linear(ctx: _Ctx, rule: LinearRule, src_prefix: str, out_prefix: str,
-                 codecs: list[LinearCodec] | None = None) -> list[OutTensor]:
-    codecs = codecs or [ctx.fmt.codec_for(src_prefix + p) for p in rule.parts]
-    _check_linear(ctx, rule, src_prefix, codecs)
-    tp, dims = ctx.tp, rule.dims(ctx.spec)
-    rows = [_local_rows(rule.par, o, tp) for o, _ in dims]
-    cols = dims[0][1] // tp if rule.par is Par.ROW else dims[0][1]
-    sources = tuple(n for p, c in zip(rule.parts, codecs) for n in c.source_names(src_prefix + p))
-    wname = f"{out_prefix}{rule.out}.weight"
-    wspec, sspec = LINEAR[codecs[0].name].plan(rows, cols, ctx.target)
-    split = REPLICATED if rule.par is Par.REPLICATED else ctx.split("dim", 0 if rule.par is Par.COLUMN else 1)
-    outs = [_out(wname, wspec, sources, partial(_linear_weight, ctx, rule, src_prefix, wname, codecs), split)]
-    if sspec is not None:
-        sname = f"{out_prefix}{rule.out}.weight_scale"
-        outs.append(_out(sname, sspec, sources, partial(_linear_scale, ctx, rule, src_prefix, codecs, key=wname + "_scale"),
-                         split))
-    return outs
-
-
-def _out(name: str, spec: TensorSpec, sources: tuple[str, ...], produce: Any, split: Split = REPLICATED,
-         rank_sources: list[tuple[str, ...]] | None = None) -> OutTensor:
-    return OutTensor(name, spec.dtype, spec.shape, sources, produce, is_shuffled=spec.shuffled,
-                     runtime_dtype=spec.runtime_dtype, meta=dict(spec.meta), split=split, rank_sources=rank_sources)
-
-
-# --------------------------------------------------------------------------------------------
-# Hook 1: routed experts stacked into w13/w2, the single shared expert as slot E (spec §2.4, §3.2)
-# --------------------------------------------------------------------------------------------
-
-
-def _expert_modules(ctx: _Ctx, src_prefix: str, fused_shared: bool) -> list[tuple[str, str, str]]:
-    mods = [tuple(f"{src_prefix}mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
-            for e in range(ctx.spec.E)]
-    if fused_shared:
-        mods.append(tuple(f"{src_prefix}mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")))
-    return mods  # type: ignore[return-value]
-
-
-def _read_expert(ctx: _Ctx, codec: LinearCodec, module: str, axis: int, rank: int) -> LinearData:
-    """The rank's cut of one expert: I split over the MoE-TP ranks (none under EP, spec
-    atom-parallel.md §1.1; flattened over every GPU under DP-attention, §2.2)."""
-    mtp = ctx.par.moe_tp
-    il = ctx.spec.I // mtp
-    defer = MOE[codec.name].scans_values(ctx.target)  # the post-load finds bad values itself (postload.py)
-    if mtp == 1:
-        return codec.read(ctx.src, module, defer_check=defer)
-    piece = rank % mtp
-    return codec.read(ctx.src, module, axis, piece * il, (piece + 1) * il, defer_check=defer)
-
-
-def _rank_modules(mods: list[tuple[str, str, str]], slots: list[list[int]], rank: int) -> list[tuple[str, str, str]]:
-    return [mods[e] for e in slots[rank]]
-
-
-def _experts(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-             cache: dict[str, Any], key: str, slots: list[list[int]] | None = None,
-             part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
-    """Yields one expert at a time ([1, 2N, K] for w13, [1, H, N] for w2) and stacks the
-    scales for the `_scale` output. `slots[rank]`: the indices into `mods` the rank holds;
-    `part`: only the rank's local experts [a, b) (plan.OutTensor.units)."""
-    post = MOE[codec.name]
-    scales = []
-    local = mods if slots is None else _rank_modules(mods, slots, rank)
-    for gate, up, down in (local if part is None else local[part[0]:part[1]]):
-        if which == "w13":
-            w, s = post.w13(_read_expert(ctx, codec, gate, 0, rank), _read_expert(ctx, codec, up, 0, rank), ctx.target)
-        else:
-            w, s = post.w2(_read_expert(ctx, codec, down, 1, rank), ctx.target)
-        if s is not None:
-            scales.append(s)
-        yield w.unsqueeze(0)
-        del w  # the expert's source views are gone: their pages leave the resident set (source.py)
-    if scales:
-        cache[key] = scales
-
-
-def _expert_scales(ctx: _Ctx, mods: list[tuple[str, str, str]], codec: LinearCodec, which: str, rank: int,
-                   cache: dict[str, Any], key: str, stacked: bool,
-                   slots: list[list[int]] | None = None, part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
-    scales = cache.pop(key, None)  # the same item produced the weight of the same experts just before
-    if scales is None:  # the weight was not produced first: compute the scales again
-        scales = []
-        for chunk in _experts(ctx, mods, codec, which, rank, cache, key, slots, part):
-            del chunk
-        scales = cache.pop(key)
-    # fp8: [E, rows, cols] stacked; MXFP4: the 2-D [E*N, K/32] tensor, one expert's rows after another.
-    yield torch.stack(scales) if stacked else torch.cat(scales, 0)
-
-
-def _unit_sources(mods: list[tuple[str, str, str]], codec: LinearCodec, slots: list[list[int]] | None, rank: int,
-                  unit: int) -> tuple[str, ...]:
-    """The source tensors of the rank's local expert `unit` (its gate, up and down projections)."""
-    trio = mods[unit] if slots is None else mods[slots[rank][unit]]
-    return tuple(x for m in trio for x in codec.source_names(m))
-
-
-def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: bool) -> list[OutTensor]:
-    s, tp = ctx.spec, ctx.par.moe_tp
-    mods = _expert_modules(ctx, src_prefix, fused_shared)
-    codecs = {ctx.fmt.codec_for(m).name: ctx.fmt.codec_for(m) for trio in mods for m in trio}
-    if len(codecs) > 1:
-        raise UnsupportedError(
-            f"{src_prefix}mlp.experts: experts are stored in different formats ({', '.join(codecs)}); ATOM stacks "
-            f"them into one tensor of one format"
-        )
-    codec = next(iter(codecs.values()))
-    for gate, up, down in mods:
-        for m, (o, i) in ((gate, (s.I, s.H)), (up, (s.I, s.H)), (down, (s.H, s.I))):
-            ctx.problems.extend(codec.check(ctx.src, m, o, i))
-            ctx.consumed.update(codec.source_names(m))
-    if s.I % tp:
-        raise UnsupportedError(f"{src_prefix}mlp.experts: moe_intermediate_size {s.I} is not divisible by the "
-                               f"MoE tensor-parallel size {tp}")
-    il = s.I // tp
-    post = MOE[codec.name]
-    post.check(f"{src_prefix}mlp.experts", il, s.H, tp)
-    sources = tuple(x for trio in mods for m in trio for x in codec.source_names(m))
-    slots: list[list[int]] | None = None
-    rank_sources = None
-    if ctx.par.ep:  # whole experts in contiguous blocks, the shared one in the last slot (spec atom-parallel.md §1.2)
-        slots = [r.slots for r in ctx.par.rank_layouts(s.E, s.S, fused_shared)]
-        rank_sources = [tuple(x for e in sl for m in mods[e] for x in codec.source_names(m)) for sl in slots]
-    n_local = len(mods) if slots is None else len(slots[0])
-    base = f"{out_prefix}mlp.experts."
-    specs = post.plan(n_local, il, s.H, ctx.target)
-    split = Split("experts", tp)
-    outs = []
-    for which in ("w13", "w2"):
-        key = f"{base}{which}_scale"
-        w = _out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
-                 partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources)
-        w.chunk_bytes = w.nbytes // max(1, w.shape[0])  # one expert at a time
-        w.units = n_local
-        w.unit_sources = partial(_unit_sources, mods, codec, slots)
-        outs.append(w)
-        sspec = specs.get(f"{which}_weight_scale")
-        if sspec is not None:
-            outs.append(_out(f"{base}{which}_weight_scale", sspec, sources,
-                             partial(_expert_scales, ctx, mods, codec, which, key=key, stacked=len(sspec.shape) == 3,
-                                     slots=slots), split, rank_sources))
-            outs[-1].units = n_local
-            outs[-1].unit_sources = w.unit_sources
-    return outs
-
-
-# --------------------------------------------------------------------------------------------
-# Hook 2: MLA batched-GEMM operands from the processed kv_b_proj (spec §4.1)
-# --------------------------------------------------------------------------------------------
-
-
-def kv_b_bf16(codec: LinearCodec, data: LinearData, target_fp8: torch.dtype) -> torch.Tensor:
-    """What `get_and_maybe_dequant_weights(kv_b_proj)` returns (spec §4.1 step 1, §6.4): the bf16
-    weight itself; for a DeepSeek fp8 one, the processed layer's blockscale GEMM against an
-    identity (`identity_readback`: the kernel's epilogue, not a plain bf16(value x scale), which
-    differs in rare ulps); an MXFP4 value is exact in bf16."""
-    if codec.name == "fp8-block":
-        assert data.scale is not None
-        return identity_readback(data.weight, data.scale, target_fp8)
-    return codec.dequant(data).to(BF16)
-
-
-def mla_operands(wkvb: torch.Tensor, nr: int, P: int, V: int, L: int, fp8: torch.dtype,
-                 bmm: str = "fp8") -> dict[str, torch.Tensor]:
-    """W_K and W_V from the rank's kv_b [Nr(P+V), L] in bf16.
-
-    bmm "fp8" (default, spec §4.1): W_K [Nr, L, P], W_V [Nr, V, L] in fp8, one fp32 scalar scale each.
-    bmm "mxfp4" (ATOM_USE_TRITON_MXFP4_BMM=1, spec §4.2): W_K [Nr, L, P/2] quantised along P,
-    W_V [Nr, V, L/2] along L, uint8 packed e2m1 with plain row-major e8m0 scales (not shuffled).
-    """
-    x = wkvb.view(nr, P + V, L)
-    wk = x[:, :P, :].transpose(1, 2)  # W_K[n, l, p] = Wkvb[n(P+V)+p, l]
-    wv = x[:, P:, :]  # W_V[n, v, l] = Wkvb[n(P+V)+P+v, l]
-    if bmm == "mxfp4":
-        qk, sk = dynamic_mxfp4_quant(wk.contiguous())
-        qv, sv = dynamic_mxfp4_quant(wv.contiguous())
-        return {"W_K": qk, "W_K_scale": sk, "W_V": qv, "W_V_scale": sv}
-    qk, sk = per_tensor_quant(wk, fp8)
-    qv, sv = per_tensor_quant(wv, fp8)
-    return {"W_K": qk, "W_K_scale": sk, "W_V": qv, "W_V_scale": sv}
-
-
-def _mla(ctx: _Ctx, src_prefix: str, codecs: list[LinearCodec], attr: str, rank: int,
-         cache: dict[str, Any]) -> Iterator[torch.Tensor]:
-    key = f"{src_prefix}mla"
-    if key not in cache:
-        d = _read_linear(ctx, KV_B, src_prefix, codecs, rank)
-        s = ctx.spec
-        cache[key] = mla_operands(kv_b_bf16(codecs[0], d, ctx.fp8), s.Nh // ctx.tp, s.P, s.V, s.L, ctx.fp8, ctx.mla_bmm)
-    yield cache[key].pop(attr)
-    if not cache[key]:
-        del cache[key]
-
-
-def _plan_mla(ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
-    s = ctx.spec
-    nr = s.Nh // ctx.tp
-    codecs = [ctx.fmt.codec_for(src_prefix + p) for p in KV_B.parts]
-    sources = tuple(codecs[0].source_names(src_prefix + KV_B.parts[0]))
-    attn = f"{out_prefix}self_attn"
-    if ctx.mla_bmm == "mxfp4":
-        if s.P % MXFP4_BLOCK or s.L % MXFP4_BLOCK:
-            raise UnsupportedError(f"--mla-bmm mxfp4 needs qk_nope_head_dim ({s.P}) and kv_lora_rank ({s.L}) to be "
-                                   f"multiples of 32 (spec §4.2)")
-        # ATOM holds the packed e2m1 pairs as uint8 here, not as float4_e2m1fn_x2 (b_dynamic_mxfp4_quant,
-        # atom/model_ops/utils.py 191-194, over aiter's dynamic_mxfp4_quant)
-        specs = {"W_K": TensorSpec(torch.uint8, (nr, s.L, s.P // 2), runtime_dtype="uint8"),
-                 "W_K_scale": TensorSpec(torch.uint8, (nr, s.L, s.P // MXFP4_BLOCK), runtime_dtype="uint8"),
-                 "W_V": TensorSpec(torch.uint8, (nr, s.V, s.L // 2), runtime_dtype="uint8"),
-                 "W_V_scale": TensorSpec(torch.uint8, (nr, s.V, s.L // MXFP4_BLOCK), runtime_dtype="uint8")}
-        rounding = {"rounding": MXFP4_ROUNDING}
-        specs = {k: TensorSpec(v.dtype, v.shape, runtime_dtype=v.runtime_dtype, meta=rounding) for k, v in specs.items()}
-    else:
-        specs = {"W_K": TensorSpec(ctx.fp8, (nr, s.L, s.P)), "W_K_scale": TensorSpec(torch.float32, ()),
-                 "W_V": TensorSpec(ctx.fp8, (nr, s.V, s.L)), "W_V_scale": TensorSpec(torch.float32, ())}
-    # Per rank, from the rank's kv_b heads; one piece (identical on every rank) under DP-attention (spec
-    # atom-parallel.md §2.2: the per-tensor scale is then taken over all heads).
-    return [_out(f"{attn}.{NATIVE_MLA_OWNER}.{a}", spec, sources, partial(_mla, ctx, src_prefix, codecs, a), ctx.split("heads"))
-            for a, spec in specs.items()]
 
 
 # --------------------------------------------------------------------------------------------
