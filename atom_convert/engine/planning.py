@@ -13,7 +13,7 @@ from ..layout import arch as loaders
 from ..layout import codecs as quant
 from ..layout.model import ModelSpec
 from ..layout.options import ConversionOptions
-from ..layout.plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, assign_shards
+from ..layout.plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, apply_profile, assign_shards
 from ..layout.profile import get_profile
 from .writer import header_digest
 
@@ -38,7 +38,7 @@ def make_plan(src: SourceCheckpoint, options: ConversionOptions | None = None, *
     prof = get_profile(opts.profile)
     plan = loader.plan(src, spec, fmt, target=opts.target, tp=opts.tp, profile=prof, mtp=opts.mtp,
                        mla_bmm=opts.mla_bmm, parallel=opts.parallel())
-    prof.apply(plan)  # the one renaming step: loaders plan with ATOM-native names
+    apply_profile(plan, prof)  # the one renaming step: loaders plan with ATOM-native names
     return plan
 
 

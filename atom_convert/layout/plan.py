@@ -145,3 +145,17 @@ def assign_shards(outputs: list[OutTensor], rank: int, tp: int, max_bytes: int, 
         ShardPlan(f"{prefix}{tag}-{k + 1:05d}-of-{n:05d}.safetensors", rank, names, sum(by_name[x] for x in names))
         for k, (names, _) in enumerate(groups)
     ]
+
+
+def apply_profile(plan: ConversionPlan, profile: NamingProfile) -> None:
+    """Rename a plan planned with ATOM-native names into `profile`'s, in place: the one renaming step
+    at the end of planning (tensor names, aliases on both sides, the per-layer MoE records)."""
+    if profile.name == "atom":
+        return
+    for mplan in (plan.main, plan.mtp):
+        if mplan is None:
+            continue
+        for o in mplan.outputs():
+            o.name = profile.tensor(o.name)
+        mplan.aliases = {profile.tensor(a): profile.tensor(t) for a, t in mplan.aliases.items()}
+        mplan.moe_layers = {profile.tensor(k): v for k, v in mplan.moe_layers.items()}

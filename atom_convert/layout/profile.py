@@ -2,7 +2,7 @@
 
 The loaders name every output by ATOM's native module path (spec §2); a profile
 maps those names to the names the runtime looks up, in ONE renaming step at the
-end of planning (`NamingProfile.apply`): tensor names, aliases (both sides) and
+end of planning (`plan.apply_profile`): tensor names, aliases (both sides) and
 the per-layer shared-expert records of the main and MTP sets. A new profile is a
 table row here.
 """
@@ -10,12 +10,8 @@ table row here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import BadInputError
-
-if TYPE_CHECKING:
-    from .plan import ConversionPlan, ModelPlan
 
 NATIVE_MLA_OWNER = "mla_attn.impl"  # native: the W_K/W_V owner under self_attn (spec §2.7)
 
@@ -33,20 +29,6 @@ class NamingProfile:
         if self.mla_owner != NATIVE_MLA_OWNER:
             native = native.replace(f".{NATIVE_MLA_OWNER}.", f".{self.mla_owner}.")
         return self.prefix + native
-
-    def _rename(self, mplan: "ModelPlan") -> None:
-        for o in mplan.outputs():
-            o.name = self.tensor(o.name)
-        mplan.aliases = {self.tensor(a): self.tensor(t) for a, t in mplan.aliases.items()}
-        mplan.moe_layers = {self.tensor(k): v for k, v in mplan.moe_layers.items()}
-
-    def apply(self, plan: "ConversionPlan") -> None:
-        """Rename a plan planned with native names, in place."""
-        if self.name == "atom":
-            return
-        for mplan in (plan.main, plan.mtp):
-            if mplan is not None:
-                self._rename(mplan)
 
 
 PROFILES: dict[str, NamingProfile] = {
