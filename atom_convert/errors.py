@@ -97,6 +97,14 @@ class ConvertedCheckError(BadInputError):
     """A converted directory fails its integrity checks."""
 
 
+class VerificationFailedError(AtomConvertError):
+    """A verification that ran to its end and found problems (`atom-convert verify`, the demo's
+    last step): exit code 3, distinct from bad input (2) and an internal error (1). The report
+    (every problem) has been printed before it is raised."""
+
+    exit_code = 3
+
+
 class Interrupted(KeyboardInterrupt):
     """A conversion stopped by SIGINT (Ctrl-C) or SIGTERM.
 

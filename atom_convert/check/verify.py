@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..errors import BadInputError
 from .tensors import CheckReport, check_files, check_values
 from ..layout.model import ModelSpec
 from .decode import source_value
@@ -159,11 +160,61 @@ def _through_loader(dst: Path, device: str) -> list[Any]:
     return ranks
 
 
+def available_devices() -> list[str]:
+    """The torch devices verify can run on here: cpu, and cuda (cuda:0, ...) when torch sees a GPU."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    return out
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot use on this machine (BadInputError naming --device, the reason and
+    the devices available), before any work: torch itself would fail mid-way with an AssertionError."""
+    available = ", ".join(available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BadInputError(f"--device {device!r}: not a torch device; use one of: {available}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise BadInputError(f"--device {device}: verify runs on cpu or cuda; available on this machine: {available}")
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA or ROCm support" if torch.version.cuda is None and torch.version.hip is None
+               else "torch sees no GPU (check the driver and CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+        raise BadInputError(f"--device {device}: CUDA is not available on this machine: {why} (torch {torch.__version__}); "
+                            f"available: {available}; run with --device cpu, or on a machine with a GPU")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise BadInputError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s); "
+                            f"available: {available}")
+
+
+def check_layers(layers: list[int], n_layers: int, source: str | Path) -> None:
+    """Refuse layer indices outside the source model's decoder layers (naming each and the range)."""
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
+    if bad:
+        raise BadInputError(f"--layers {','.join(map(str, bad))}: out of range: the model in {source} has {n_layers} "
+                            f"decoder layer(s), indices 0-{n_layers - 1}; pick layers in that range, or drop "
+                            f"--layers to check every layer")
+
+
 def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[int] | None = None, tokens: int = 16,
            device: str = "cpu", seed: int = 0, through_loader: bool = False) -> VerifyResult:
     """`through_loader`: the converted side's forward reads the tensors `load_into` placed on `device`
-    (every rank), not the files."""
+    (every rank), not the files. `layers`, `through_loader` need `source`; a device torch cannot use
+    here and a layer the source model lacks are refused (BadInputError) before any check runs."""
     dst = Path(dst)
+    check_device(device)
+    if source is None and (layers is not None or through_loader):
+        raise BadInputError(f"{'--layers' if layers is not None else '--through-loader'} selects what the forward "
+                            f"comparison against the source runs, and needs --source (the source checkpoint); "
+                            f"add --source SRC, or drop it")
+    if source is not None:
+        src = SourceCheckpoint(source)
+        spec = ModelSpec.from_config(src.config)
+        if layers is not None:
+            check_layers(layers, spec.n_layers, source)
     report = check_files(dst)
     result = VerifyResult(report)
     if source is None:
@@ -177,8 +228,6 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
                             f"conversion's checks flagged ({', '.join(sorted(flagged))}), converted with "
                             f"--allow-nonfinite")
         return result
-    src = SourceCheckpoint(source)
-    spec = ModelSpec.from_config(src.config)
     conv = ConvertedModel(dst, device=device, ranks=_through_loader(dst, device) if through_loader else None)
     mxfp4_bmm = bool(conv.ranks[0].manifest["layout"]["flags"].get("ATOM_USE_TRITON_MXFP4_BMM"))
     ids = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)

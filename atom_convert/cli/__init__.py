@@ -1,7 +1,7 @@
 """The `atom-convert` command line: a thin click layer over the library.
 
-Exit codes: 0 success, 2 bad input or usage, 1 internal error.
-Set ATOM_CONVERT_DEBUG=1 to see tracebacks.
+Exit codes: 0 success, 1 internal error only, 2 bad input or usage, 3 a verification that ran and
+found problems, 130/143 interrupted (SIGINT/SIGTERM). Set ATOM_CONVERT_DEBUG=1 to see tracebacks.
 """
 
 from __future__ import annotations
@@ -20,13 +20,55 @@ from typing import Any, Iterator, NoReturn
 
 import click
 
-from ..errors import AtomConvertError, Interrupted
+from ..errors import AtomConvertError, BadInputError, Interrupted, VerificationFailedError
 from ..layout.profile import PROFILES
 from ..files.dtypes import TARGETS
 
 
 def _examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+# The smallest --shard-size: below it nearly every tensor gets a file of its own (a typo such as
+# `--shard-size 5` for 5GB would write one file per tensor); the tests' tiny checkpoints go down to it.
+MIN_SHARD_SIZE = 100 * 1000
+# The smallest --max-memory: below it no real model's (layer, rank) item fits, so every worker
+# would run alone whatever --workers says (a typo such as `1KB` for 1GB).
+MIN_MAX_MEMORY = 64 * 1000**2
+
+
+class _Size(click.ParamType):
+    """A byte size written as 5GB, 500MB, 2GiB or plain bytes, at least `minimum` bytes."""
+
+    name = "SIZE"
+
+    def __init__(self, minimum: int, why: str, example: str):
+        self.minimum, self.why, self.example = minimum, why, example
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from ..layout.options import parse_size
+
+        try:
+            n = parse_size(value)
+        except BadInputError as e:
+            self.fail(str(e), param, ctx)
+        except (OverflowError, ValueError):  # infGB, nanGB
+            self.fail(f"cannot read size {value!r}; write e.g. 5GB, 500MB or 2GiB", param, ctx)
+        if n < self.minimum:
+            self.fail(f"{value!r} is {n} byte(s), below the minimum of {_human(self.minimum)} ({self.minimum} bytes): "
+                      f"{self.why}; give at least that, e.g. {self.example}", param, ctx)
+        return n
+
+
+def _parse_layers(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """--layers 0,2 -> [0, 2]; anything else is a usage error naming the option."""
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise click.BadParameter(f"expected comma-separated layer indices like 0,2, got {value!r}; "
+                                 f"drop --layers to check every layer", ctx, param)
+    return sorted({int(p) for p in parts})
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -52,7 +94,9 @@ def cli() -> None:
               help="GPU: gfx950 (MI355X, fp8 e4m3fn) or gfx942 (MI300X/MI325X, fp8 e4m3fnuz).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size: one set of shards per rank.")
-@click.option("--shard-size", default="5GB", show_default=True, help="Upper bound per shard file, e.g. 5GB, 500MB.")
+@click.option("--shard-size", type=_Size(MIN_SHARD_SIZE, "smaller shards put nearly every tensor in a file of its own", "5GB"),
+              default="5GB", show_default=True,
+              help="Upper bound per shard file, e.g. 5GB, 500MB; at least 100KB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shape, bytes, shard); write nothing.")
 @click.option("--force", is_flag=True,
               help="Replace DST if it exists and is an earlier atom-convert output (or empty); never anything else.")
@@ -83,18 +127,19 @@ def cli() -> None:
 @click.option("--worker-mode", type=click.Choice(["auto", "process", "thread"]), default="auto", show_default=True,
               help="Run several workers as forked processes (auto, where the platform can fork: the fast way) "
                    "or as threads of one process.")
-@click.option("--max-memory", default=None,
-              help="Memory budget for the workers' working sets, e.g. 16GB [default: half of the available "
-                   "memory]; workers wait rather than exceed it.")
+@click.option("--max-memory", type=_Size(MIN_MAX_MEMORY, "a smaller budget fits no layer of a real model", "16GB"),
+              default=None,
+              help="Memory budget for the workers' working sets, e.g. 16GB, at least 64MB [default: half of the "
+                   "available memory]; workers wait rather than exceed it.")
 @click.option("--revision", default=None, help="Branch, tag or commit of a Hub repo SRC (or write SRC as org/name@rev).")
 @click.option("--hub-cache", default=None, metavar="REPO_ID",
               help="A Hub repo of converted shards (org/name[@rev]): downloaded and checked instead of converting "
                    "when its content key matches this conversion.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run: bool, force: bool, resume: bool,
+def convert(src: str, dst: Path, target: str, tp: int, shard_size: int, dry_run: bool, force: bool, resume: bool,
             restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str,
             mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, worker_mode: str,
-            max_memory: str | None, revision: str | None, hub_cache: str | None, as_json: bool) -> None:
+            max_memory: int | None, revision: str | None, hub_cache: str | None, as_json: bool) -> None:
     """Convert the checkpoint in SRC (a folder, or a Hugging Face repo id org/name[@revision], downloaded
     while converting) into ATOM's layout in DST.
 
@@ -106,6 +151,8 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
 
     from ..layout.options import ConversionOptions
 
+    if resume and restart:
+        raise click.UsageError("--resume and --restart exclude each other; give one of them")
     opts = ConversionOptions(target=target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm, ep=ep,
                              dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
     if dry_run:
@@ -115,8 +162,6 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: str, dry_run:
         else:
             _print_plan(plan)
         return
-    if resume and restart:
-        raise click.UsageError("--resume and --restart exclude each other")
     mode = "resume" if resume else "restart" if restart else "auto"
     with _signals_interrupt():
         try:
@@ -227,24 +272,38 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.argument("dst", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The source checkpoint: decode every converted tensor against it and compare forwards.")
-@click.option("--layers", default=None, help="Comma-separated layer indices for the per-layer forward check (default all).")
-@click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Random token ids to run.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--layers", default=None, callback=_parse_layers, metavar="N[,N...]",
+              help="Comma-separated layer indices like 0,2 for the per-layer forward check (default all); "
+                   "with --source.")
+@click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Random token ids to run (with --source).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the forward comparison runs (with --source); cuda needs a GPU torch can use.")
 @click.option("--through-loader", is_flag=True,
               help="Run the converted forward on the tensors atom_convert.load_into places on --device (every rank).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def verify(dst: Path, source: Path | None, layers: str | None, tokens: int, device: str, through_loader: bool,
+def verify(dst: Path, source: Path | None, layers: list[int] | None, tokens: int, device: str, through_loader: bool,
            as_json: bool) -> None:
     """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes; with
     --source also every tensor's decoded values and a layer-by-layer forward against
-    transformers' model of the source. Exits 1 when a check or threshold fails."""
-    from ..check.verify import verify as run_verify
+    transformers' model of the source. Exits 3 when a check or threshold fails (2: bad usage)."""
+    from ..check.verify import check_device, verify as run_verify
 
-    picked = [int(x) for x in layers.split(",")] if layers else None
-    _report(run_verify(dst, source, layers=picked, tokens=tokens, device=device, through_loader=through_loader), as_json)
+    if source is None:
+        ctx = click.get_current_context()
+        given = [f"--{n.replace('_', '-')}" for n in ("layers", "tokens", "device", "through_loader")
+                 if ctx.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT)]
+        if given:
+            names = ", ".join(given)
+            raise click.UsageError(f"{names} {'applies' if len(given) == 1 else 'apply'} only to the forward "
+                                   f"comparison against the source, which runs with --source; add --source SRC "
+                                   f"(the source checkpoint), or drop {names}")
+    check_device(device)
+    _report(run_verify(dst, source, layers=layers, tokens=tokens, device=device, through_loader=through_loader),
+            as_json, dst)
 
 
-def _report(r: Any, as_json: bool) -> None:
+def _report(r: Any, as_json: bool, dst: Path) -> None:
     from ..check.verify import format_table
 
     c = r.check
@@ -261,8 +320,9 @@ def _report(r: Any, as_json: bool) -> None:
         for p in r.failures:
             click.echo(f"FAIL {p}")
         click.echo("OK" if r.ok else f"{len(r.failures)} problem(s)")
-    if not r.ok:
-        raise SystemExit(1)
+    if not r.ok:  # the report above lists every problem; exit 3 (not 1: an internal error)
+        raise VerificationFailedError(f"verification of {dst} failed: {len(r.failures)} problem(s), listed "
+                                      f"{'under failures' if as_json else 'above'}")
 
 
 @cli.command(epilog=_examples(
@@ -299,37 +359,123 @@ def upload(dst: Path, repo_id: str, private: bool, revision: str | None, create_
                f"{r.pr_url or r.commit_url}")
 
 
+DEMO_MARKER = ".atom-convert-demo"  # written first into OUT by `demo`: what it wrote, stage by stage
+
+
 @cli.command(epilog=_examples("atom-convert demo", "atom-convert demo ./demo-out --target gfx942 --tp 2"))
 @click.argument("out", required=False, type=click.Path(path_type=Path), default=Path("atom-convert-demo"))
 @click.option("--target", type=click.Choice(TARGETS), default="gfx950", show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--preset", default="tiny-deepseek-v3", show_default=True, help="A configs/ preset.")
+@click.option("--preset", default="tiny-deepseek-v3", show_default=True,
+              help="A tiny configs/ preset (tiny-*), or the path of a preset .json file.")
 def demo(out: Path, target: str, tp: int, preset: str) -> None:
     """Generate a tiny DeepSeek-V3-architecture fp8 checkpoint from configs/, convert it,
     verify it against its source (tensors and a forward pass), and print a summary.
-    OUT is replaced if it exists."""
-    import shutil
+    OUT is created; if it exists it must be empty or an earlier demo's output (marked by
+    OUT/.atom-convert-demo), which is replaced: anything else is refused, nothing deleted."""
     import time
 
     from ..engine.convert import convert as run_convert
-    from ..synth import build_tiny
+    from ..synth import CONFIG_DIR, build_tiny
     from ..check.verify import verify as run_verify
 
-    if out.exists():
-        shutil.rmtree(out)
+    tiny = sorted(p.stem for p in CONFIG_DIR.glob("tiny-*.json"))
+    if preset not in tiny and not (Path(preset).suffix == ".json" and Path(preset).is_file()):
+        raise click.BadParameter(f"{preset!r}: the demo builds a tiny checkpoint; choose one of {', '.join(tiny)}, "
+                                 f"or give the path of a preset .json file", param_hint="'--preset'")
+    _demo_prepare(out)
+    _demo_mark(out, "source")
     t0 = time.perf_counter()
     src = build_tiny(preset, out / "source", fmt="fp8", shards=2)
     click.echo(f"1. generated {preset} (fp8 block, 2 shards) in {src} ({time.perf_counter() - t0:.1f} s)")
+    _demo_mark(out, "convert")
     t1 = time.perf_counter()
     m = run_convert(src, out / "converted", target, tp=tp)
+    _demo_mark(out, "done")
     click.echo(f"2. converted for {target} tp={tp}: {len(m['tensors'])} tensors per rank, {len(m['files'])} files, "
                f"MTP {m['mtp']['status']} ({time.perf_counter() - t1:.1f} s) -> {out / 'converted'}")
     for name in ("model.layers.0.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.w13_weight",
                  "model.layers.1.self_attn.mla_attn.impl.W_K"):
-        e = m["tensors"][name]
-        click.echo(f"   {name}: {e['dtype']} {e['shape']} shuffled={e['is_shuffled']}")
+        e = m["tensors"].get(name)
+        if e is not None:  # a preset without q_lora_rank has no fused_qkv_a_proj
+            click.echo(f"   {name}: {e['dtype']} {e['shape']} shuffled={e['is_shuffled']}")
     click.echo("3. verify against the source (atom-convert verify --source):")
-    _report(run_verify(out / "converted", src), as_json=False)
+    _report(run_verify(out / "converted", src), False, out / "converted")
+
+
+def _demo_tree(out: Path) -> set[str]:
+    """Every entry under OUT but the marker, relative, folders with a trailing '/'; a symbolic link is
+    an entry of its own, never followed (os.walk does not enter a link to a folder)."""
+    found: set[str] = set()
+    for root, dirs, files in os.walk(out):
+        rel = Path(root).relative_to(out)
+        for d in dirs:
+            link = (Path(root) / d).is_symlink()
+            found.add((rel / d).as_posix() + ("" if link else "/"))
+        found.update((rel / f).as_posix() for f in files)
+    found.discard(DEMO_MARKER)
+    return found
+
+
+def _demo_mark(out: Path, stage: str) -> None:
+    """Record in OUT's marker what the demo has written so far and what it writes next (`stage`):
+    `_demo_prepare` deletes no entry but those."""
+    (out / DEMO_MARKER).write_text(json.dumps({"written_by": "atom-convert demo", "stage": stage,
+                                               "entries": sorted(_demo_tree(out))}, indent=1) + "\n")
+
+
+def _demo_owned(out: Path, found: set[str]) -> list[str]:
+    """The entries of `found` that the earlier demo recorded in OUT's marker did NOT write (all of
+    them when the marker is not the demo's)."""
+    marker = out / DEMO_MARKER
+    try:
+        rec = json.loads(marker.read_text()) if marker.is_file() and not marker.is_symlink() else None
+    except (OSError, ValueError):
+        rec = None
+    if not isinstance(rec, dict) or rec.get("written_by") != "atom-convert demo" \
+            or not isinstance(rec.get("entries"), list):
+        return sorted(found | ({DEMO_MARKER} if os.path.lexists(marker) else set()))
+    recorded, stage = set(rec["entries"]), rec.get("stage")
+
+    def written(e: str) -> bool:  # recorded, or what the stage it stopped in writes (an interrupted demo)
+        if e in recorded:
+            return True
+        if stage == "source":
+            return e.startswith("source/")
+        if stage == "convert":  # DST, and the staging folder and lock convert keeps beside it
+            return e.startswith(("converted/", ".converted."))
+        return False
+
+    return sorted(e for e in found if not written(e))
+
+
+def _demo_prepare(out: Path) -> None:
+    """OUT ready for the demo: created when missing; kept when empty; emptied when it holds only an
+    earlier demo's output; refused (exit 2, nothing deleted) when it is a symbolic link, not a folder,
+    or holds anything the demo did not write."""
+    def refuse(why: str) -> NoReturn:
+        raise click.BadParameter(f"{out} {why}; pick another folder (e.g. atom-convert demo ./demo-out), or remove "
+                                 f"it yourself if it is expendable. The demo replaces only an empty folder or its own "
+                                 f"earlier output (marked by {DEMO_MARKER})", param_hint="'OUT'")
+
+    if out.is_symlink():
+        refuse(f"is a symbolic link (to {os.readlink(out)}), which the demo does not follow")
+    if not out.exists():
+        out.mkdir(parents=True)
+        return
+    if not out.is_dir():
+        refuse("exists and is not a folder")
+    found = _demo_tree(out)
+    if not found and not os.path.lexists(out / DEMO_MARKER):
+        return
+    foreign = _demo_owned(out, found)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        refuse(f"exists and holds what the demo did not write ({shown})")
+    for e in sorted(found, key=lambda e: e.rstrip("/").count("/"), reverse=True):  # deepest first
+        p = out / e.rstrip("/")
+        p.rmdir() if e.endswith("/") else p.unlink()
+    (out / DEMO_MARKER).unlink()
 
 
 def main(argv: list[str] | None = None) -> None:
