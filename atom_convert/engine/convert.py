@@ -7,7 +7,8 @@ How it works:
    source format; the architecture's loader checks every tensor and plans every output
    (name, dtype, shape, sources) before any data is read.
 3. Assign outputs to size-bounded shards per rank, in load order.
-4. Take the lock beside DST, then open the staging directory `.DST.atom-partial/`: a new
+4. Take the lock beside DST (before anything is written there: a --hub-cache pull too, which
+   then replaces DST under it), then open the staging directory `.DST.atom-partial/`: a new
    one, or the one an interrupted run left, whose sealed shards are kept when the source and
    options fingerprints match (staging.py).
 5. Stream: (layer, rank) items run on `--workers` forked worker processes (procs.py; or
@@ -356,10 +357,6 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         plan = make_plan(source, opts)
         main, mtp_layout = layout_shards(plan, opts.shard_size)
         record = conversion_record(source, opts)
-        if hub_cache is not None:
-            pulled = pull_converted(hub_cache, record["content_key"], dst)
-            if pulled is not None:
-                return {**pulled, "pulled_from": hub_cache}
         planned = planned_shards(main, mtp_layout)
         # A Hub source is content-addressed by its commit (its shards may not be downloaded yet).
         source_fp = (Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"}) if source.hub
@@ -374,6 +371,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                 staging = Staging(paths, note)
                 staging.recover_swap()
                 check_replaceable(paths.dst, force)  # again: another run may have finished meanwhile
+                if hub_cache is not None:  # under the lock: a pull replaces DST as a conversion does
+                    pulled = pull_converted(hub_cache, record["content_key"], paths.dst)
+                    if pulled is not None:
+                        return {**pulled, "pulled_from": hub_cache}
                 with _one_intra_op_thread():
                     return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
                                 workers, worker_mode, budget, record)

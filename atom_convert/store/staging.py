@@ -19,7 +19,14 @@ How it works:
    second rename fails, removed once it succeeded; a crash between the two renames is
    repaired by the next run, which puts the old DST back).
 Only the tool's own files are ever removed: the staging directory (recognised by its name
-and its journal), the lock file, `.atom-old`, and an old DST that --force may replace.
+and its journal), the lock file, `.atom-old`, and an old DST that --force may replace. Inside
+the staging directory, only files it can tell are its own (`_owned`): with a readable journal,
+the names it writes there (shards and their `.partial`, manifests, side files, the journal);
+with an unreadable one, only the journal and the shards it records. Anything else there (a
+foreign file, a symlink, another directory) makes the resume or --restart refuse, naming it.
+Nothing is written through a symlink: the lock file, the journal and the other files the tool
+writes beside DST or in a cache directory are created without following one (`replace_file`,
+lock.open_nofollow), and a symlink or foreign file at their names is refused (`ForeignPathError`).
 """
 
 from __future__ import annotations
@@ -29,17 +36,21 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import BadInputError, DestinationExistsError, NotResumableError
+from ..files.safetensors import is_side_name
 from .fingerprint import Fingerprint
-from .lock import FileLock, Notify  # FileLock: also imported from here (engine/cache.py)
+# FileLock: also imported from here (engine/cache.py)
+from .lock import FileLock, ForeignPathError, Notify, kind_of, open_nofollow, refuse_foreign
 from .manifest import MANIFEST_NAME, sha256_file
 
 STAGING_SUFFIX = ".atom-partial"
@@ -47,7 +58,10 @@ LOCK_SUFFIX = ".atom-lock"
 OLD_SUFFIX = ".atom-old"
 JOURNAL_NAME = ".atom-journal.jsonl"
 PARTIAL_SUFFIX = ".partial"  # a shard being written; never trusted, removed by the next run
+TMP_SUFFIX = ".tmp"  # replace_file's (and write_manifest's) temporary name
 JOURNAL_VERSION = 1
+SET_DIRS = ("mtp",)  # the folders the tool makes in a staging directory (engine/planning.MTP_DIR)
+_SHARD_NAME = re.compile(r"model(?:-common|-rank\d+)?-\d{5}-of-\d{5}\.safetensors")  # layout/plan.assign_shards
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,6 +71,47 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _found(st: os.stat_result, path: Path) -> str:
+    """What is at `path` (lstat `st`), in words, for a refusal."""
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link (to {os.readlink(path)})"
+    return kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else "a regular file"
+
+
+def replace_file(path: Path, data: bytes, expected: str) -> None:
+    """Write `path` whole and atomically (`path.tmp`, fsynced, renamed over it), never through a
+    symlink: the temporary file is created exclusively without following one, and a symlink or
+    non-regular file at `path` or at `path.tmp` is refused (ForeignPathError), left as it is. A
+    regular file at `path.tmp` is the leftover of an interrupted write (the tool's own name) and is
+    replaced. `expected`: what `path` is, for the refusal."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    for p in (path, tmp):
+        st = _lstat(p)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise refuse_foreign(p, _found(st, p), expected)
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 @dataclass(frozen=True)
@@ -205,16 +260,11 @@ class Journal:
         self.path = path
         self.sealed: list[Sealed] = list(kept)
         self._lock = threading.Lock()
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(header) + "\n")
-            for s in kept:
-                f.write(s.as_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        self._fh = open(path, "a")
+        text = json.dumps(header) + "\n" + "".join(s.as_json() + "\n" for s in kept)
+        replace_file(path, text.encode(), "atom-convert's journal (a regular file)")
+        # Appended to through the file just renamed there, never through a symlink.
+        self._fh = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND,
+                                           expected="atom-convert's journal (a regular file)"), "a")
 
     def record(self, s: Sealed) -> None:
         with self._lock:
@@ -229,23 +279,88 @@ class Journal:
                 self._fh.close()
 
 
+def _journal_lines(path: Path) -> list[str]:
+    """The journal's lines, read without following a symlink (one there is no journal of ours)."""
+    fd = open_nofollow(path, os.O_RDONLY, expected="atom-convert's journal (a regular file)")
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", errors="replace").split("\n")
+
+
+def _entries_of(lines: list[str]) -> list[Sealed]:
+    entries = []
+    for line in lines:
+        try:
+            d = json.loads(line)
+            entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), str(d["sha256"]), str(d["plan"])))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return entries
+
+
 def _read_journal(path: Path) -> tuple[dict[str, Any], list[Sealed]]:
     """(header, sealed entries). A torn or garbled line is skipped: its shard is simply redone."""
-    lines = path.read_text(errors="replace").split("\n")
+    lines = _journal_lines(path)
     try:
         header = json.loads(lines[0])
         if not isinstance(header, dict) or header.get("journal") != JOURNAL_VERSION:
             raise ValueError(f"journal version {header.get('journal') if isinstance(header, dict) else header!r}")
     except ValueError as e:
         raise ValueError(f"its journal {path.name} is unreadable ({e})") from None
-    entries = []
-    for line in lines[1:]:
-        try:
-            d = json.loads(line)
-            entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), str(d["sha256"]), str(d["plan"])))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return header, entries
+    return header, _entries_of(lines[1:])
+
+
+def _is_regular(path: Path) -> bool:
+    st = _lstat(path)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def own_name(rel: str) -> bool:
+    """Whether `rel` (posix, from the staging root) is a name the tool writes in a staging directory:
+    a shard or its `.partial`, a manifest (or its temporary), a side file (top level or in a set's
+    folder), the journal (or its temporary)."""
+    *dirs, name = rel.split("/")
+    if dirs and (len(dirs) > 1 or dirs[0] not in SET_DIRS):
+        return False
+    if name.endswith(PARTIAL_SUFFIX):
+        return _SHARD_NAME.fullmatch(name[:-len(PARTIAL_SUFFIX)]) is not None
+    return (_SHARD_NAME.fullmatch(name) is not None or name in (MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX)
+            or is_side_name(name) or (not dirs and name in (JOURNAL_NAME, JOURNAL_NAME + TMP_SUFFIX)))
+
+
+@dataclass
+class _Contents:
+    """A staging directory's contents: the files and folders the tool can tell are its own, and
+    the rest (`foreign`: what it did not write, a symlink, anything not a regular file)."""
+
+    files: list[str] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+def _owned(root: Path, ours: Callable[[str], bool]) -> _Contents:
+    """Walk `root` without following a symlink; `ours(rel)` tells the tool's own regular files."""
+    c = _Contents()
+    todo = [("", root)]
+    while todo:
+        prefix, d = todo.pop()
+        with os.scandir(d) as it:
+            for e in sorted(it, key=lambda e: e.name):
+                rel = prefix + e.name
+                if e.is_symlink():
+                    c.foreign.append(f"{rel} (a symbolic link to {os.readlink(e.path)})")
+                elif e.is_dir(follow_symlinks=False):
+                    if rel in SET_DIRS:
+                        c.dirs.append(rel)
+                        todo.append((rel + "/", Path(e.path)))
+                    else:
+                        c.foreign.append(rel + "/")
+                elif not e.is_file(follow_symlinks=False):
+                    c.foreign.append(f"{rel} ({kind_of(e.stat(follow_symlinks=False).st_mode)})")
+                elif ours(rel):
+                    c.files.append(rel)
+                else:
+                    c.foreign.append(rel)
+    return c
 
 
 @dataclass
@@ -268,7 +383,60 @@ class Staging:
     def _is_ours(self) -> bool:
         r = self.root
         return r.is_dir() and not r.is_symlink() and (
-            (r / JOURNAL_NAME).is_file() or _is_conversion_or_empty(r))
+            _is_regular(r / JOURNAL_NAME) or _is_conversion_or_empty(r))
+
+    def _contents(self) -> tuple[_Contents, str]:
+        """What of the staging directory is the tool's own (module docstring), and, when its
+        journal cannot be read, why (then only the journal and the shards it records are)."""
+        r, journal = self.root, self.root / JOURNAL_NAME
+        if not os.path.lexists(journal):  # empty, or finished (its manifest) but not yet renamed
+            return _owned(r, own_name), ""
+        why, lines = "", []
+        try:
+            lines = _journal_lines(journal)
+            _read_journal(journal)
+        except (ValueError, OSError) as e:
+            why = str(e)
+        if not why:
+            return _owned(r, own_name), ""
+        recorded = {e.file for e in _entries_of(lines)}
+
+        def ours(rel: str) -> bool:
+            base = rel[:-len(PARTIAL_SUFFIX)] if rel.endswith(PARTIAL_SUFFIX) else rel
+            return rel in (JOURNAL_NAME, JOURNAL_NAME + TMP_SUFFIX) or (base in recorded and own_name(rel))
+
+        return _owned(r, ours), why
+
+    def _refuse_foreign(self, c: _Contents, why: str, doing: str) -> None:
+        if not c.foreign:
+            return
+        r = self.root
+        shown = ", ".join(c.foreign[:8]) + (f", ... ({len(c.foreign)} in all)" if len(c.foreign) > 8 else "")
+        because = (f"; its journal {JOURNAL_NAME} is unreadable ({why}), so only the journal and the shards it "
+                   "records are known to be atom-convert's" if why else "")
+        raise ForeignPathError(
+            f"{doing} the partial conversion in {r}: it holds what atom-convert did not write: {shown}"
+            f"{because}. atom-convert removes only its own files: move those elsewhere, or remove {r} by hand "
+            "if its contents are expendable, then run again")
+
+    def _clear(self, doing: str) -> None:
+        """Remove the staging directory, all of it the tool's own (else refused, nothing removed)."""
+        c, why = self._contents()
+        self._refuse_foreign(c, why, doing)
+        self._delete(c)
+
+    def _delete(self, c: _Contents) -> None:
+        r = self.root
+        for rel in c.files:
+            try:
+                os.unlink(r / rel)
+            except FileNotFoundError:
+                pass
+        for rel in sorted(c.dirs, reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(r / rel)
+        with contextlib.suppress(OSError):
+            os.rmdir(r)
 
     def recover_swap(self) -> None:
         """Repair a crash between the two renames of `commit` (run under the lock)."""
@@ -299,10 +467,11 @@ class Staging:
                 raise BadInputError(f"{r} is in the way and was not written by atom-convert (no {JOURNAL_NAME}); "
                                     "move it elsewhere and run again")
             if mode == "restart":
+                self._clear("--restart cannot remove")
                 self.notify(f"--restart: removing the partial conversion in {r}")
-                shutil.rmtree(r)
-            elif not (r / JOURNAL_NAME).is_file():
-                shutil.rmtree(r)  # empty, or finished but not yet renamed when it crashed: nothing to resume
+            elif not _is_regular(r / JOURNAL_NAME):
+                # empty, or finished but not yet renamed when it crashed: nothing to resume
+                self._clear("cannot remove")
             else:
                 kept = self._resumable(header, planned)
         elif mode == "resume":
@@ -337,43 +506,51 @@ class Staging:
             raise NotResumableError(
                 f"{r} holds a partial conversion into {self.paths.dst} that this run cannot resume: "
                 + "; ".join(why) + f". Rerun with the original source and options to resume it, or {hint}")
+        contents = _owned(r, own_name)
+        self._refuse_foreign(contents, "", "cannot resume")  # before anything is removed
         latest = {e.file: e for e in entries}
         kept = []
         for e in latest.values():
             p = r / e.file
-            if (planned.get(e.file) == e.plan and p.is_file() and not p.is_symlink()
+            if (planned.get(e.file) == e.plan and e.file in contents.files
                     and p.stat().st_size == e.nbytes and sha256_file(p) == e.sha256):
                 kept.append(e)
         keep = {e.file for e in kept} | {JOURNAL_NAME}
-        for p in sorted(r.rglob("*"), reverse=True):  # unsealed, unrecorded or damaged: redone
-            rel = p.relative_to(r).as_posix()
-            if p.is_dir() and not p.is_symlink():
-                continue
+        for rel in contents.files:  # unsealed, unrecorded or damaged: redone
             if rel not in keep:
-                p.unlink()
+                os.unlink(r / rel)
         kept.sort(key=lambda e: e.file)
         self.notify(f"resuming the partial conversion in {r}: keeping {len(kept)} of {len(planned)} shards "
                     f"({sum(e.nbytes for e in kept)} bytes) already sealed, converting the rest")
         return kept
 
     def remove_partials(self) -> None:
-        """Remove every shard still being written (never the sealed ones)."""
-        if self.root.is_dir():
-            for p in self.root.rglob(f"*{PARTIAL_SUFFIX}"):
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
+        """Remove every shard still being written (never the sealed ones, nor what is not the tool's)."""
+        if self.root.is_dir() and not self.root.is_symlink():
+            for rel in _owned(self.root, own_name).files:
+                if rel.endswith(PARTIAL_SUFFIX):
+                    try:
+                        os.unlink(self.root / rel)
+                    except FileNotFoundError:
+                        pass
 
     def close(self) -> None:
         if self.journal is not None:
             self.journal.close()
 
     def remove(self) -> None:
-        """Remove the staging directory (the tool's own) entirely."""
+        """Remove the staging directory (the tool's own) entirely; what the tool did not write there
+        (`_owned`) is left, and the directory with it."""
         self.close()
         if self.root.is_dir() and not self.root.is_symlink():
-            shutil.rmtree(self.root, ignore_errors=True)
+            try:
+                c = _owned(self.root, own_name)
+                self._delete(c)
+            except OSError:
+                return
+            if c.foreign:
+                self.notify(f"left {self.root}: it holds what atom-convert did not write ({', '.join(c.foreign[:8])}); "
+                            "remove it by hand once you have checked them")
 
     def commit(self) -> None:
         """Rename the finished staging directory to DST (module docstring, step 4). Ctrl-C and
@@ -387,10 +564,22 @@ class Staging:
                         "place; the conversion had finished, so it is complete")
 
     def _commit(self) -> None:
+        dst, old = self.paths.dst, self.paths.old
+        # What appeared at DST or its swap name since the checks under the lock is not replaced
+        # nor removed (checked before the journal goes).
+        st = _lstat(dst)
+        if st is not None:
+            if not (stat.S_ISDIR(st.st_mode) and _is_conversion_or_empty(dst)):
+                raise refuse_foreign(dst, _found(st, dst) if not stat.S_ISDIR(st.st_mode) else
+                                     "a directory that is not an atom-convert output",
+                                     "an earlier atom-convert output or an empty directory, to be replaced")
+            st = _lstat(old)
+            if st is not None:
+                raise refuse_foreign(old, _found(st, old), "nothing there (the name atom-convert moves a replaced "
+                                                           f"{dst.name} to)")
         self.close()
         os.unlink(self.root / JOURNAL_NAME)
         fsync_dir(self.root)
-        dst, old = self.paths.dst, self.paths.old
         if os.path.lexists(dst):
             os.rename(dst, old)
             try:
