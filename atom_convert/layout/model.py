@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsupportedError, json_kind
 
-SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,20 @@ class ModelSpec:
     norm_topk_prob: bool
     rms_norm_eps: float
     tie_word_embeddings: bool
+    # DeepSeek-V3.2's lightning indexer (atom-layout-next.md §1.1; 0 when the model has none)
+    Ih: int = 0  # index_n_heads
+    Dh: int = 0  # index_head_dim
+    Kt: int = 0  # index_topk
+
+    @property
+    def has_indexer(self) -> bool:
+        """Sparse (DSA) attention: ATOM keys it on `hasattr(config, "index_topk")` (atom-layout-next.md §0)."""
+        return self.Kt > 0
 
     @property
     def has_correction_bias(self) -> bool:
         # transformers' DeepseekV3 always has it; ATOM creates it for noaux_tc (spec §2.4).
-        return self.architecture == "DeepseekV3ForCausalLM" or self.topk_method == "noaux_tc"
+        return self.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM") or self.topk_method == "noaux_tc"
 
     def is_moe_layer(self, i: int) -> bool:
         """spec §2.3: MoE when experts exist, i >= first_k_dense_replace and i % moe_layer_freq == 0."""
@@ -70,17 +79,20 @@ class ModelSpec:
         if arch not in SUPPORTED_ARCHS:
             raise UnsupportedError(
                 f"{where}: architecture {arch!r} is not supported; atom-convert converts "
-                f"{', '.join(SUPPORTED_ARCHS)} (DeepSeek V2/V2-Lite/V3/R1, Kimi-K2)"
+                f"{', '.join(SUPPORTED_ARCHS)} (DeepSeek V2/V2-Lite/V3/R1/V3.2, Kimi-K2)"
             )
         model_type = cfg.get("model_type", "")
-        ok_types = {"DeepseekV2ForCausalLM": ("deepseek_v2",), "DeepseekV3ForCausalLM": ("deepseek_v3", "kimi_k2")}
+        ok_types = {"DeepseekV2ForCausalLM": ("deepseek_v2",), "DeepseekV3ForCausalLM": ("deepseek_v3", "kimi_k2"),
+                    "DeepseekV32ForCausalLM": ("deepseek_v32",)}
         if model_type not in ok_types[arch]:
             raise UnsupportedError(
                 f"{where}: model_type {model_type!r} with architecture {arch} is not supported; "
                 f"expected one of {ok_types[arch]}"
             )
         r = _Reader(cfg, where, arch)
-        v3 = arch == "DeepseekV3ForCausalLM"
+        # ATOM reads deepseek_v32 through transformers' DeepseekV3Config (atom-layout-next.md §0): V3's defaults.
+        v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+        v32 = arch == "DeepseekV32ForCausalLM"
         spec = cls(
             architecture=arch,
             model_type=model_type,
@@ -109,9 +121,17 @@ class ModelSpec:
             norm_topk_prob=r.bool("norm_topk_prob", v3),
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            Ih=r.int("index_n_heads") if v32 else 0,
+            Dh=r.int("index_head_dim") if v32 else 0,
+            Kt=r.int("index_topk") if v32 else 0,
         )
         if r.problems:
             raise ConfigError(r.problems)
+        if not v32 and cfg.get("index_topk") is not None:
+            # ATOM builds the sparse indexer whenever the config has index_topk (atom-layout-next.md §0).
+            raise UnsupportedError(f"{where}: index_topk is set but the architecture is {arch}; ATOM would build "
+                                   f"DeepSeek-V3.2's indexer on every layer. A DeepSeek-V3.2 checkpoint says "
+                                   f"architectures [\"DeepseekV32ForCausalLM\"] and model_type \"deepseek_v32\"")
         if spec.E and not spec.I:
             raise ConfigError(f"{where}: n_routed_experts={spec.E} but moe_intermediate_size is missing or 0 "
                               f"(expected an integer >= 1)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import deepseek  # noqa: F401  (registration
+from . import deepseek, deepseek_v32  # noqa: F401  (registration)
 from .base import ArchLoader, get_loader, registered
 
 __all__ = ["ArchLoader", "get_loader", "registered"]

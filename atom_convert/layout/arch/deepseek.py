@@ -38,7 +38,7 @@ from .deepseek_rules import (ATTENTION, BF16, DENSE_MLP, EH_PROJ, KV_B, MTP_VECT
 # §6.2). A conversion records the values it assumed (the defaults, but ATOM_USE_TRITON_MXFP4_BMM
 # under --mla-bmm mxfp4) so that a runtime with other flags refuses the files (spec §8.10); a
 # runtime's unset flag counts with its default here (runtime/common.live_flags).
-ATOM_FLAG_DEFAULTS: dict[str, int] = {
+_MLA_FLAG_DEFAULTS: dict[str, int] = {
     "ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE": 1,
     "ATOM_FP8_BLOCKSCALE_USE_E8M0_SCALE": 0,
     "ATOM_USE_TRITON_GEMM": 0,
@@ -47,9 +47,14 @@ ATOM_FLAG_DEFAULTS: dict[str, int] = {
     "ATOM_MOE_GU_ITLV": 0,
     "ATOM_FUSE_SHARED_EXPERT": 1,
 }
+# DeepSeek-V3.2's indexer: 1 fuses wk and weights_proj into one bf16 wk_weights_proj, 0 keeps them
+# apart (atom-layout-next.md §1.8, §6); recorded by the V3.2 loader only (deepseek_v32.py).
+INDEXER_FLAG_DEFAULTS: dict[str, int] = {"ATOM_ENABLE_DS_INDEXER_QK_ROPE_CACHE_FUSION": 1}
+# Every layout flag's ATOM default (what a runtime's unset flag counts as, runtime/common.live_flags).
+ATOM_FLAG_DEFAULTS: dict[str, int] = {**_MLA_FLAG_DEFAULTS, **INDEXER_FLAG_DEFAULTS}
 # The manifest's flags: the ATOM_* values plus the config's MoE backend. Expert parallel and the
 # tensor-parallel size are facts of the manifest's `parallel` record, stated once there.
-LAYOUT_FLAGS: dict[str, Any] = {**ATOM_FLAG_DEFAULTS, "moe_backend": "standard"}
+LAYOUT_FLAGS: dict[str, Any] = {**_MLA_FLAG_DEFAULTS, "moe_backend": "standard"}
 
 # Source names dropped by ATOM's name rewriting (spec §1.2 rule 3).
 DROP_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -86,6 +91,8 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
         if rule.when(s):
             outs += _plan_linear(ctx, rule, src_prefix, out_prefix)
     outs += _plan_mla(ctx, src_prefix, out_prefix)
+    if ctx.attn_extras is not None:
+        outs += ctx.attn_extras(ctx, src_prefix, out_prefix)
     if not s.is_moe_layer(i):
         for rule in DENSE_MLP:
             outs += _plan_linear(ctx, rule, src_prefix, out_prefix)
@@ -207,6 +214,14 @@ class DeepseekLoader(ArchLoader):
         ("DeepseekV3ForCausalLM", "kimi_k2"),  # Kimi-K2: a DeepSeek-V3 config under its own model_type
     )
 
+    # Family hooks (deepseek_v32.py): extra attention modules per layer, extra layout flags, refusals.
+    attn_extras: Any = None
+    extra_flags: dict[str, Any] = {}
+
+    def check_source(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, target: str,
+                     par: Parallel, profile: NamingProfile) -> None:
+        """Refuse a source this family cannot convert, before any tensor is planned."""
+
     def plan(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, *, target: str, tp: int,
              profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8", parallel: Parallel | None = None) -> ConversionPlan:
         if tp < 1:
@@ -231,7 +246,9 @@ class DeepseekLoader(ArchLoader):
             )
         if spec.n_mtp > 1:
             raise UnsupportedError(f"num_nextn_predict_layers={spec.n_mtp}: only one MTP layer is supported (DeepSeek-V3/R1 have 1)")
-        ctx = _Ctx(src, spec, fmt, target, par.attn_tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm, par=par)
+        self.check_source(src, spec, fmt, target, par, profile)
+        ctx = _Ctx(src, spec, fmt, target, par.attn_tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm, par=par,
+                   attn_extras=self.attn_extras)
         main = ModelPlan(groups=[])
         main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", ("model.embed_tokens.weight"),
                                                  (spec.vocab, spec.H), vocab=True)))
@@ -274,5 +291,6 @@ class DeepseekLoader(ArchLoader):
         return ConversionPlan(spec=spec, source_format=fmt.name, target=target, tp=tp, profile=profile, main=main,
                               mtp=mtp_plan, mtp_status=mtp_status, dropped=dropped,
                               layout_flags=dict(LAYOUT_FLAGS, ATOM_USE_TRITON_MXFP4_BMM=int(mla_bmm == "mxfp4"),
-                                                ATOM_FUSE_SHARED_EXPERT=int(par.shared_experts == "fused")),
+                                                ATOM_FUSE_SHARED_EXPERT=int(par.shared_experts == "fused"),
+                                                **self.extra_flags),
                               parallel=par)

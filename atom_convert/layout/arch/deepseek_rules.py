@@ -112,6 +112,9 @@ class _Ctx:
     consumed: set[str]
     mla_bmm: str = "fp8"
     par: Parallel = Parallel()  # `tp` above is its attn_tp: the aiter TP group of everything but routed experts
+    # A family's extra attention modules, planned after the MLA operands of every decoder layer and
+    # MTP block: attn_extras(ctx, src_prefix, out_prefix) (DeepSeek-V3.2's indexer, deepseek_v32.py).
+    attn_extras: Callable[["_Ctx", str, str], list[OutTensor]] | None = None
 
     def split(self, kind: str, dim: int = 0) -> Split:
         """A non-expert tensor cut in `tp` pieces (replicated when tp is 1)."""
