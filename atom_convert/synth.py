@@ -1,4 +1,4 @@
-"""Small real checkpoints from the presets in configs/, for the demo, tests and benches.
+"""Small real checkpoints from the presets in atom_convert/configs/, for the demo, tests and benches.
 
 `build_tiny` uses transformers' own DeepseekV2/V3 classes, so the tensors
 carry the names, shapes and dtypes transformers writes (router in fp32). The
@@ -26,7 +26,9 @@ from safetensors.torch import save_file
 from .layout.model import ModelSpec
 from .layout.codecs.fp8_block import block_quant, scale_grid
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Shipped inside the package (pyproject [tool.setuptools.package-data]) so that an installed wheel
+# finds them; the repository root's configs/ is a link to this folder.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 # Linear weights that DeepSeek keeps in bf16 in its fp8 release; the MTP eh_proj among them (R1/V3/V3.2
@@ -50,7 +52,7 @@ def quark_mxfp4_config(exclude: list[str]) -> dict[str, Any]:
 
 
 def load_preset(name: str) -> dict[str, Any]:
-    """A preset from configs/ by name ('tiny-deepseek-v3') or path."""
+    """A preset from atom_convert/configs/ by name ('tiny-deepseek-v3') or path."""
     p = Path(name)
     if not p.suffix:
         p = CONFIG_DIR / f"{name}.json"
@@ -125,7 +127,7 @@ def _like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def build_tiny(preset: str | dict[str, Any], out: str | Path, *, fmt: str = "bf16", seed: int = 0, shards: int = 1,
                overwrite: bool = False) -> Path:
-    """A tiny random checkpoint built with transformers from a configs/ preset.
+    """A tiny random checkpoint built with transformers from an atom_convert/configs/ preset.
 
     fmt: "bf16" or "fp8" (DeepSeek block fp8 with partial blocks).
     The config.json written is the preset itself (model_type kimi_k2 kept),

@@ -1,5 +1,5 @@
 """Session-cached fixtures: tiny real checkpoints (built with transformers from
-configs/ presets) and their conversions, shared by every test module."""
+atom_convert/configs/ presets) and their conversions, shared by every test module."""
 
 from __future__ import annotations
 

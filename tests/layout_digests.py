@@ -10,6 +10,15 @@ The fixtures are the suite's own (`atom_convert.synth.build_tiny`, `tests/quark_
 seeds; their bytes depend on torch's CPU random generator and on Quark's quantiser, so the digests hold for
 the torch, transformers and amd-quark versions recorded in the file (the ones `scripts/setup.sh --test`
 installs).
+
+Re-recorded once on purpose: when converted shards became 64-byte aligned (engine/shard_header.py
+`data_order`: the header JSON padded with spaces so the data starts at a multiple of 64, tensors whose size
+is a multiple of 64 first, the odd-sized ones after), so that a CPU load maps them instead of copying. The
+tensor bytes are unchanged, only where they lie: before re-recording, every shard of all 88 cases, re-packed
+back to back in its header's order with the old 8-byte header padding (tests/test_alignment.py
+`repacked_before`), had the sha256 recorded here before; the same tree with the old shard_header.py
+reproduced every recorded digest; the only other files that changed are the manifests (they hold the shards'
+sha256 and sizes). tests/test_alignment.py keeps three cases' pre-change shard digests (`BEFORE`).
 """
 
 from __future__ import annotations

@@ -3,37 +3,56 @@
 aiter does not import without ROCm, so its pure-torch files (shuffle.py,
 fp4_utils.py, dtypes.py) are loaded by path out of the amd-aiter wheel, with
 stubs for the few GPU-only imports (docs/test-fixtures.md §5). The wheel is
-fetched once from the package registry into a cache folder.
+read from a cache folder (`CACHE`/wheels, or the file $ATOM_CONVERT_AITER_WHEEL names), which
+`bash scripts/setup.sh --test` fills once from the package registry. Nothing here touches the
+network: without the wheel, the tests that need it fail with `OracleMissing`, saying to run that.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import types
 import zipfile
 from pathlib import Path
 
-AITER_SPEC = "amd-aiter==0.1.7.post2.dev18"
+AITER_VERSION = "0.1.7.post2.dev18"
+AITER_SPEC = f"amd-aiter=={AITER_VERSION}"  # what scripts/setup.sh --test downloads into wheel_dir()
 CACHE = Path(os.environ.get("ATOM_CONVERT_TEST_CACHE", Path.home() / ".cache" / "atom-convert-tests"))
 _FILES = ("aiter/ops/shuffle.py", "aiter/utility/fp4_utils.py", "aiter/utility/dtypes.py")
+SETUP = "bash scripts/setup.sh --test"
+
+
+class OracleMissing(RuntimeError):
+    """An oracle's package is not on this machine (raised, never skipped: the tests need it)."""
+
+
+def wheel_dir() -> Path:
+    return CACHE / "wheels"
+
+
+def cached_aiter_wheel() -> Path | None:
+    """The cached wheel of AITER_SPEC, or None; only looks at the cache folder."""
+    d = wheel_dir()
+    found = sorted(d.glob(f"amd_aiter-{AITER_VERSION}-*.whl")) if d.is_dir() else []
+    return found[-1] if found else None
 
 
 def aiter_wheel() -> Path:
+    """The amd-aiter wheel: $ATOM_CONVERT_AITER_WHEEL, else the one in wheel_dir(). Never downloads."""
     env = os.environ.get("ATOM_CONVERT_AITER_WHEEL")
     if env:
+        if not Path(env).is_file():
+            raise OracleMissing(f"ATOM_CONVERT_AITER_WHEEL={env} is not a file; point it at the {AITER_SPEC} "
+                                f"wheel, or unset it and run `{SETUP}` (downloads it into {wheel_dir()})")
         return Path(env)
-    d = CACHE / "wheels"
-    found = sorted(d.glob("amd_aiter-*.whl")) if d.is_dir() else []
-    if not found:
-        d.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(d), AITER_SPEC], check=True)
-        found = sorted(d.glob("amd_aiter-*.whl"))
-    if not found:
-        raise RuntimeError(f"could not get the {AITER_SPEC} wheel into {d}")
-    return found[-1]
+    found = cached_aiter_wheel()
+    if found is None:
+        raise OracleMissing(f"the {AITER_SPEC} wheel (the tests' aiter oracle) is not in {wheel_dir()}: run "
+                            f"`{SETUP}` once (it downloads the wheel there), or set ATOM_CONVERT_AITER_WHEEL "
+                            f"to the wheel's path")
+    return found
 
 
 class _Anything(types.ModuleType):
