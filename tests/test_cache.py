@@ -306,3 +306,75 @@ def test_remote_code_carried(tiny_checkpoint, tmp_path: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(dst, trust_remote_code=True)
     assert type(tok).__name__ == "KimiTestTokenizer"
     assert tok("abc", add_special_tokens=False)["input_ids"] == [1, 2, 3]
+
+
+def _counting(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = atom_convert.engine.cache.convert
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _future(m: dict) -> None:
+    m["format_version"] += 1
+
+
+def _dotdot_rank_file(m: dict) -> None:
+    e = next(iter(m["tensors"].values()))
+    e["file"] = e["rank_files"][0] = "../../outside.safetensors"
+
+
+def _dotdot_files(m: dict) -> None:
+    m["files"]["../../outside.safetensors"] = {"bytes": 4, "sha256": "0" * 64}
+
+
+@pytest.mark.parametrize("edit", [_future, _dotdot_rank_file, _dotdot_files], ids=["future-format", "rank-file-out",
+                                                                                     "files-list-out"])
+def test_entry_the_manifest_reader_refuses_is_rebuilt(edit, src: Path, tmp_path: Path, monkeypatch) -> None:
+    """An entry of this cache whose manifest is from a future format or names a file outside it is
+    stale: it is converted again (inside cache_dir), not returned; nothing outside is read."""
+    cache_dir = tmp_path / "cache"
+    calls = _counting(monkeypatch)
+    dst = ensure_converted(src, cache_dir)
+    (tmp_path / "outside.safetensors").write_bytes(b"abcd")
+    m = json.loads((dst / "atom_manifest.json").read_text())
+    edit(m)
+    (dst / "atom_manifest.json").write_text(json.dumps(m))
+    assert ensure_converted(src, cache_dir) == dst
+    assert calls == [1, 1] and check_files(dst).ok
+    assert (tmp_path / "outside.safetensors").read_bytes() == b"abcd"
+
+
+def test_entry_whose_manifest_was_deleted_is_rebuilt(src: Path, tmp_path: Path, monkeypatch) -> None:
+    cache_dir = tmp_path / "cache"
+    calls = _counting(monkeypatch)
+    dst = ensure_converted(src, cache_dir)
+    (dst / "atom_manifest.json").unlink()
+    assert ensure_converted(src, cache_dir) == dst
+    assert calls == [1, 1] and check_files(dst).ok
+
+
+def test_cache_dir_that_is_a_file_is_refused(src: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    cache_dir.write_text("not a directory")
+    with pytest.raises(atom_convert.BadInputError, match=f"cache_dir {re.escape(str(cache_dir))}: exists and is not a "
+                                                         "directory"):
+        ensure_converted(src, cache_dir)
+    assert cache_dir.read_text() == "not a directory"
+
+
+def test_entry_that_is_a_symlink_out_of_cache_dir_is_refused(src: Path, tmp_path: Path, monkeypatch) -> None:
+    """ensure_converted writes only inside cache_dir: a stale entry linked elsewhere is not rebuilt there."""
+    cache_dir = tmp_path / "cache"
+    dst = ensure_converted(src, cache_dir)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(dst, elsewhere)
+    dst.symlink_to(elsewhere, target_is_directory=True)
+    before = {p.name: p.stat().st_mtime_ns for p in elsewhere.iterdir()}
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5  # stale now
+    (src / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(atom_convert.engine.cache, "convert", lambda *a, **k: pytest.fail("converted through the link"))
+    with pytest.raises(atom_convert.BadInputError, match=f"{re.escape(dst.name)} is a symbolic link .*remove the link"):
+        ensure_converted(src, cache_dir)
+    assert {p.name: p.stat().st_mtime_ns for p in elsewhere.iterdir()} == before

@@ -26,7 +26,9 @@ from ..layout.parallel import Split
 from ..files.dtypes import ST_DTYPE, dtype_from_name
 from .decode import decode_mla, decode_weight, source_value, unpad_moe
 from ..store.reader import ConvertedCheckpoint
-from ..files.source import SourceCheckpoint, read_safetensors_header
+from ..errors import BadInputError
+from ..files.safetensors import read_header
+from ..files.source import SourceCheckpoint
 
 
 @dataclass
@@ -52,10 +54,19 @@ def _sets(path: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
+_FIX_HEADER = "The file or the manifest was edited or replaced: convert again (atom-convert convert SRC DST --force)"
+
+
 def check_files(path: str | Path, report: CheckReport | None = None) -> CheckReport:
+    """Every file the manifest lists: size and sha256; every shard's safetensors header (read and
+    validated: files/safetensors.read_header) against the manifest's entries for that file: each
+    tensor of the header listed exactly once, with the header's dtype and shape, and each entry
+    naming the file present in it. Problems are collected in the report (the manifests
+    themselves are checked when read: store/manifest.check_manifest)."""
     path = Path(path)
     report = report or CheckReport()
-    main = read_manifest(path)
+    sets = _sets(path)
+    main = sets[0][1]
     for rel, meta in main["files"].items():
         p = path / rel
         if not p.is_file():
@@ -69,28 +80,64 @@ def check_files(path: str | Path, report: CheckReport | None = None) -> CheckRep
         if digest != meta["sha256"]:
             report.problems.append(f"{rel}: sha256 {digest[:16]}..., the manifest says {meta['sha256'][:16]}... (corrupted)")
         report.files_checked += 1
-    for root, m in _sets(path):
-        headers: dict[str, dict[str, Any]] = {}
-        for name, e in m["tensors"].items():
-            for f in e["rank_files"]:
-                if f not in headers:
-                    try:
-                        headers[f] = read_safetensors_header(root / f)[0]
-                    except Exception as ex:  # noqa: BLE001  reported, not raised
-                        report.problems.append(f"{f}: unreadable header ({ex})")
-                        headers[f] = {}
-                h = headers[f].get(name)
-                if h is None:
-                    if headers[f]:
-                        report.problems.append(f"{f}: tensor {name} missing from the file")
-                    continue
-                want = dtype_from_name(e["dtype"])
-                if h["dtype"] != ST_DTYPE[want] or list(h["shape"]) != e["shape"]:
-                    report.problems.append(
-                        f"{f}: tensor {name} is {h['dtype']} {h['shape']}, the manifest says {e['dtype']} {e['shape']}"
-                    )
-                report.tensors_checked += 1
+    for root, m in sets:
+        _check_headers(path, root, m, report)
     return report
+
+
+def _check_headers(path: Path, root: Path, m: dict[str, Any], report: CheckReport) -> None:
+    """One set's shards (the main set or its mtp/): each header against the manifest's entries."""
+    prefix = "" if root == path else f"{root.relative_to(path).as_posix()}/"
+    listed: dict[str, dict[str, dict[str, Any]]] = {}  # file -> tensor name -> entry naming that file
+    reads: dict[str, int] = {}  # file -> how many (tensor, rank) reads name it
+    for name, e in m["tensors"].items():
+        for f in e["rank_files"]:
+            listed.setdefault(f, {})[name] = e
+            reads[f] = reads.get(f, 0) + 1
+    mtp = m.get("mtp") or {}
+    sub = f"{mtp['path']}/" if mtp.get("status") == "converted" else None
+    for rel in m["files"]:  # a shard no entry names still holds tensors the manifest omits
+        if rel.endswith(".safetensors") and not (sub and rel.startswith(sub)):
+            listed.setdefault(rel, {})
+    for f, entries in listed.items():
+        shown = prefix + f
+        try:
+            h = read_header(root / f, name=shown, fix=_FIX_HEADER, error=_collect)
+        except _Problems as ex:
+            report.problems.extend(ex.problems)
+            continue
+        except BadInputError as ex:
+            report.problems.append(f"{shown}: unreadable header ({ex})")
+            continue
+        held = h.tensors
+        for name in held.keys() - entries.keys():
+            v = held[name]
+            elsewhere = [prefix + g for g, other in listed.items() if name in other]
+            why = f"names {', '.join(elsewhere)} for it" if elsewhere else "does not list it at all"
+            report.problems.append(f"{shown}: tensor {name} ({v['dtype']} {v['shape']}) is in the file, but the manifest "
+                                   f"{why}: the file and the manifest disagree, convert again")
+        for name, e in entries.items():
+            v = held.get(name)
+            if v is None:
+                report.problems.append(f"{shown}: tensor {name} missing from the file (the manifest names this file "
+                                       f"for it)")
+                continue
+            want = ST_DTYPE[dtype_from_name(e["dtype"])]
+            if v["dtype"] != want or list(v["shape"]) != e["shape"]:
+                report.problems.append(f"{shown}: tensor {name} is {v['dtype']} {v['shape']}, the manifest says "
+                                       f"{e['dtype']} ({want}) {e['shape']}")
+        report.tensors_checked += reads.get(f, 0)
+
+
+class _Problems(BadInputError):
+    def __init__(self, problems: list[str], fix: str):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _collect(problems: list[str], fix: str) -> BadInputError:
+    """read_header's error factory here: the problems go into the report as they are."""
+    return _Problems(problems, fix)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,8 +40,8 @@ from .convert import convert
 from ..errors import BadInputError, HubOfflineError, NotResumableError
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..hub.repo import RepoSpec, open_source, parse_repo_spec
-from ..store.manifest import MANIFEST_NAME
-from ..store.staging import FileLock
+from ..store.manifest import MANIFEST_NAME, read_manifest
+from ..store.staging import FileLock, replace_file
 
 log = logging.getLogger("atom_convert")
 
@@ -51,12 +52,40 @@ Fetch = Callable[[Path, dict[str, Any]], bool]
 
 
 def _complete(dst: Path) -> bool:
-    """The manifest is there and every file it lists has its recorded size (stat only)."""
+    """The manifest is there and readable by this atom-convert (store/manifest.read_manifest: its
+    format, its keys, every file it names inside DST), and every file it lists has its recorded
+    size (stat only). A manifest refused as bad input makes the entry stale, not the call fail."""
     try:
-        m = json.loads((dst / MANIFEST_NAME).read_text())
+        m = read_manifest(dst)
         return all((dst / rel).stat().st_size == meta["bytes"] for rel, meta in m["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, BadInputError):
         return False
+
+
+def _check_own(cache_dir: Path, dst: Path, record: Path, lock: Path) -> None:
+    """Refuse a cache whose entry ensure_converted could not rebuild in place: it only ever writes
+    inside `cache_dir`, so the entry, its record and its lock must be its own, not symlinks (a
+    rebuild would write where they lead), and the entry a directory; `cache_dir` a directory."""
+    if os.path.lexists(cache_dir) and not cache_dir.is_dir():
+        raise BadInputError(f"cache_dir {cache_dir}: exists and is not a directory; give a directory for the "
+                            "converted entries (it is created if missing)")
+    for p in (dst, record, lock):
+        if p.is_symlink():
+            raise BadInputError(f"cache_dir {cache_dir}: the cache entry {p.name} is a symbolic link (to "
+                                f"{os.readlink(p)}); ensure_converted reads and writes only inside cache_dir: "
+                                f"remove the link (the entry is then converted again)")
+    if os.path.lexists(dst) and not dst.is_dir():
+        raise BadInputError(f"cache_dir {cache_dir}: the cache entry {dst.name} exists and is not a directory; "
+                            "remove it (the entry is then converted again)")
+
+
+def _clear_unreplaceable(dst: Path) -> None:
+    """A stale entry that `convert(force=True)` would not replace (its manifest deleted, or no
+    regular file) is removed first: it is this cache's own directory (`_check_own`)."""
+    m = dst / MANIFEST_NAME
+    if dst.is_dir() and not (m.is_file() and not m.is_symlink()) and any(dst.iterdir()):
+        log.info("atom-convert cache: %s has no usable %s; removing it before converting again", dst, MANIFEST_NAME)
+        shutil.rmtree(dst)
 
 
 def _stale_because(record: Path, want: dict[str, Any]) -> list[str]:
@@ -147,6 +176,7 @@ def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str
     where = _locate(src)
     dst = _entry(cache_dir, where, options)
     record = dst.with_name(dst.name + RECORD_SUFFIX)
+    _check_own(Path(cache_dir), dst, record, dst.with_name(f".{dst.name}{LOCK_SUFFIX}"))
     try:
         have = json.loads(record.read_text())
         same = (have["source"] == where.location
@@ -216,18 +246,24 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm,
                                    profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
                                    mori=mori)
+    cache_dir = Path(cache_dir)
     try:
         dst, want = cache_path(src, cache_dir, options=opts)
     except HubOfflineError as e:
         return _offline_entry(src, cache_dir, e, opts)
     record = dst.with_name(dst.name + RECORD_SUFFIX)
+    lock = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
+    _check_own(cache_dir, dst, record, lock)
     if _current(dst, record, want):
         return dst
     src = want["convert_from"]  # a Hub repo: pinned to the commit the key was taken from
     if hub_cache is not None and fetch is None:
         fetch = _hub_fetch(src, hub_cache, opts)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    lock = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise BadInputError(f"cache_dir {cache_dir}: cannot be created (a part of the path is a file); give a "
+                            "directory for the converted entries") from None
     with FileLock(lock, wait=True if timeout is None else timeout, notify=log.info,
                   busy=lambda who: (f"{lock}: another process is converting this cache entry ({who}); wait longer "
                                     "(timeout=None) or remove the cache entry"),
@@ -237,7 +273,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
             return dst
         log.info("atom-convert cache: building %s (%s)", dst,
                  "; ".join(why) if why else "its files are incomplete")
+        _check_own(cache_dir, dst, record, lock)  # again, under the lock
         record.unlink(missing_ok=True)
+        _clear_unreplaceable(dst)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
             run: dict[str, Any] = dict(options=opts, force=True, progress=progress, workers=workers,
                                        worker_mode=worker_mode, max_memory=max_memory, notify=log.info)
@@ -246,7 +284,7 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
             except NotResumableError as e:
                 log.info("atom-convert cache: %s; starting over", e)
                 convert(src, dst, resume="restart", **run)
-        tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, record)  # last: the directory counts as current from here on
+        # last: the directory counts as current from here on (never written through a symlink)
+        replace_file(record, (json.dumps(want, indent=1, sort_keys=True) + "\n").encode(),
+                     "atom-convert's cache record (a regular file)")
     return dst

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +134,46 @@ Runtime flags the layout assumes:
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
+def _published_files(dst: Path, names: list[str]) -> bool:
+    """Refuse to publish anything but regular files inside DST: every file the manifest lists (and
+    the manifest) must be a regular file reached without a symlink (a link could lead out of DST,
+    and the Hub would receive the file it points to). Returns whether DST holds an atom_verify.json
+    to show on the card: a regular file, not a symlink; anything else there is refused."""
+    root = dst.resolve()
+    problems = []
+    for n in names:
+        p = root / n
+        real = p.resolve()
+        if real != p:
+            problems.append(f"{n}: reached through a symlink (it resolves to {real}); only regular files inside "
+                            f"{dst} are uploaded")
+        elif not p.is_file() or p.is_symlink():
+            problems.append(f"{n}: not a regular file")
+    v = root / VERIFY_NAME
+    has_verify = False
+    if os.path.lexists(v):
+        st = os.lstat(v)
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{VERIFY_NAME}: a symlink (to {os.readlink(v)}), not a regular file; replace it with the "
+                            f"file itself or remove it")
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{VERIFY_NAME}: not a regular file; remove it")
+        else:
+            has_verify = True
+    if problems:
+        raise ConvertedCheckError(f"{dst}: not uploading ({len(problems)} problem(s)):\n"
+                                  + "\n".join(f"  - {x}" for x in problems)
+                                  + "\nupload publishes only the regular files inside DST that its manifest lists, "
+                                    "the manifest, the model card and atom_verify.json; convert again (atom-convert "
+                                    "convert --force) rather than linking files into DST.")
+    return has_verify
+
+
+def _literal(name: str) -> str:
+    """`name` as an upload_folder pattern matching that file alone (fnmatch's * ? [ escaped)."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
 @dataclass
 class UploadResult:
     repo_id: str
@@ -170,8 +213,9 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
                                   + "\n".join(f"  - {p}" for p in report.problems)
                                   + "\nConvert again (atom-convert convert --force) and upload the new directory.")
     manifest = read_manifest(dst)
+    has_verify = _published_files(dst, sorted(manifest["files"]) + [MANIFEST_NAME])
     base = base_model or (manifest["source"].get("hub") or {}).get("repo_id")
-    verify = _read_json(dst / VERIFY_NAME, str(dst / VERIFY_NAME)) if (dst / VERIFY_NAME).is_file() else None
+    verify = _read_json(dst / VERIFY_NAME, str(dst / VERIFY_NAME)) if has_verify else None
     card = model_card(manifest, repo_id=repo_id, base_model=base, verify=verify)
     names = sorted(manifest["files"]) + [MANIFEST_NAME] + ([VERIFY_NAME] if verify else [])
     files = [(n, (dst / n).stat().st_size) for n in names] + [(CARD_NAME, len(card.encode()))]
@@ -187,7 +231,7 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(folder_path=dst, repo_id=repo_id, revision=revision, create_pr=create_pr,
-                                 allow_patterns=names,
+                                 allow_patterns=[_literal(n) for n in names],
                                  commit_message=f"atom-convert {__version__}: {manifest['source']['architecture']} "
                                                 f"for {manifest['target']} tp={manifest['tp_size']}")
         # Into the pull request the files opened; when they were all on the Hub already (no PR),

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError
+from ..files.dtypes import ST_DTYPE, dtype_from_name
 from ..store.manifest import MANIFEST_NAME, Manifest
 from ..layout.postload import registered_shapes
 from ..layout.profile import get_profile
@@ -63,6 +64,7 @@ class TensorRef:
     shape: tuple[int, ...]
     is_shuffled: bool
     layout: Mapping[str, Any] = field(default_factory=dict)  # the manifest entry's layout facts
+    file_dtype: str | None = None  # the safetensors dtype the file stores it as ("U8" for MXFP4), per the manifest
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def rank_view(path: str | os.PathLike[str], rank: int) -> RankView:
         where = f"{path / MANIFEST_NAME}: tensor {name}"
         tensors[name] = TensorRef(name=name, file=e.file_for(rank), dtype=_torch_dtype(e.runtime_dtype or e.dtype, where),
                                   shape=tuple(e.shape), is_shuffled=e.is_shuffled,
-                                  layout=dict(e.layout or {}))
+                                  layout=dict(e.layout or {}), file_dtype=ST_DTYPE[dtype_from_name(e.dtype)])
     return RankView(path=path, rank=rank, tensors=tensors, aliases=dict(m.aliases), target=m.target, flags=dict(m.flags),
                     profile=m.profile, typed=m)
 
@@ -302,7 +304,8 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         cur = b.module._parameters.get(b.attr) if b.is_param else None
         reuse = (cur is not None and cur.device == dev and cur.is_contiguous() and dev.type != "cpu"
                  and tuple(cur.shape) == b.ref.shape and cur.dtype == b.ref.dtype)
-        slots[b.ref.name] = TensorSlot(b.ref.name, b.ref.dtype, b.ref.shape, cur.data if reuse else None)
+        slots[b.ref.name] = TensorSlot(b.ref.name, b.ref.dtype, b.ref.shape, cur.data if reuse else None,
+                                       file_dtype=b.ref.file_dtype, manifest=str(view.path / MANIFEST_NAME))
     by_file: dict[str, list[TensorSlot]] = {}
     for b in bindings:
         by_file.setdefault(b.ref.file, []).append(slots[b.ref.name])

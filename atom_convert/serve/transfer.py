@@ -92,6 +92,8 @@ class TensorSlot:
     shape: tuple[int, ...]
     given: torch.Tensor | None = None
     tensor: torch.Tensor | None = field(default=None, repr=False)
+    file_dtype: str | None = None  # the safetensors dtype the manifest says the file stores (None: not compared)
+    manifest: str = "the manifest"  # where the expected dtype and shape come from, for messages
 
     @property
     def nbytes(self) -> int:
@@ -108,26 +110,28 @@ class FileRead:
     slots: list[TensorSlot]
 
     def located(self) -> list[tuple[TensorSlot, int]]:
-        """(slot, absolute file offset), checked against the header, in file order."""
+        """(slot, absolute file offset), checked against the header (dtype, shape, bytes), in file
+        order; ConvertedCheckError naming the file, the tensor, the header's and the manifest's."""
         problems = []
         out = []
         for s in self.slots:
             e = self.header.entries.get(s.name)
             if e is None:
-                problems.append(f"{self.path}: tensor {s.name} is not in the file (the manifest names it); convert again")
+                problems.append(f"{self.path}: tensor {s.name} is not in the file ({s.manifest} names it)")
                 continue
             st, shape, b, end = e
-            if end - b != s.nbytes or shape != s.shape:
-                problems.append(f"{self.path}: tensor {s.name}: file holds {st} {list(shape)} ({end - b} bytes), "
-                                f"manifest says {s.dtype} {list(s.shape)} ({s.nbytes} bytes); convert again")
+            if end - b != s.nbytes or shape != s.shape or (s.file_dtype is not None and st != s.file_dtype):
+                said = f"{s.file_dtype} = {s.dtype}" if s.file_dtype is not None and s.file_dtype != st else f"{s.dtype}"
+                problems.append(f"{self.path}: tensor {s.name}: the file's header says {st} {list(shape)} ({end - b} "
+                                f"bytes), {s.manifest} says {said} {list(s.shape)} ({s.nbytes} bytes)")
                 continue
             if self.header.data_start + end > self.header.file_size:
                 problems.append(f"{self.path}: tensor {s.name} ends at byte {self.header.data_start + end}, the file has "
-                                f"{self.header.file_size}; the file is truncated, convert again")
+                                f"{self.header.file_size}; the file is truncated")
                 continue
             out.append((s, self.header.data_start + b))
         if problems:
-            raise BadInputError("\n".join(problems))
+            raise _converted_error(problems, _FIX_CONVERTED)
         return sorted(out, key=lambda x: x[1])
 
 

@@ -17,7 +17,11 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ConvertedCheckError
-from .manifest import Manifest
+from ..files import safetensors as safetensors_file
+from ..files.dtypes import ST_DTYPE, dtype_from_name
+from .manifest import MANIFEST_NAME, Manifest, converted_error
+
+_FIX = "The converted directory is damaged or was edited: convert again (atom-convert convert SRC DST --force)"
 
 
 class ConvertedCheckpoint:
@@ -34,6 +38,7 @@ class ConvertedCheckpoint:
                                       f"(ep={p.ep}, dp_attention={p.dp_attention}): ranks 0..{world - 1}")
         self.rank = rank
         self._handles: dict[str, Any] = {}
+        self._headers: dict[str, dict[str, dict[str, Any]]] = {}
 
     def __enter__(self) -> "ConvertedCheckpoint":
         return self
@@ -43,6 +48,7 @@ class ConvertedCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+        self._headers.clear()
 
     def keys(self) -> list[str]:
         """Tensor names in load order."""
@@ -79,13 +85,35 @@ class ConvertedCheckpoint:
         return e
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, memory-mapped from its shard."""
+        """The tensor, memory-mapped from its shard. The shard's header is validated when the file
+        is first opened (files/safetensors.read_header) and the tensor's header dtype and shape
+        compared with the manifest's: ConvertedCheckError naming both when they differ."""
         e = self.entry(name)
-        h = self._handles.get(e["file"])
+        target = self.typed.aliases.get(name, name)
+        rel = e["file"]
+        held = self._header(rel).get(target)
+        where = f"{self.path / rel}: tensor {target}"
+        if held is None:
+            raise converted_error([f"{where} is not in the file, but {self.path / MANIFEST_NAME} names the file for "
+                                   f"it"], _FIX)
+        want = ST_DTYPE[dtype_from_name(e["dtype"])]
+        if held["dtype"] != want or list(held["shape"]) != list(e["shape"]):
+            raise converted_error([f"{where}: the file's header says {held['dtype']} {held['shape']}, "
+                                   f"{self.path / MANIFEST_NAME} says {e['dtype']} ({want}) {e['shape']}"], _FIX)
+        h = self._handles.get(rel)
         if h is None:
-            h = safe_open(str(self.path / e["file"]), framework="pt", device="cpu")
-            self._handles[e["file"]] = h
-        return h.get_tensor(self.typed.aliases.get(name, name))
+            h = safe_open(str(self.path / rel), framework="pt", device="cpu")
+            self._handles[rel] = h
+        return h.get_tensor(target)
+
+    def _header(self, rel: str) -> dict[str, dict[str, Any]]:
+        """The validated header's tensors of file `rel` (read once per file)."""
+        got = self._headers.get(rel)
+        if got is None:
+            got = safetensors_file.read_header(self.path / rel, name=str(self.path / rel), fix=_FIX,
+                                               error=converted_error).tensors
+            self._headers[rel] = got
+        return got
 
     def mtp(self) -> "ConvertedCheckpoint | None":
         """The MTP drafter's converted set, if it was converted."""
