@@ -532,3 +532,23 @@ def test_upload_patterns_match_each_file_alone() -> None:
     names = ["a*b.safetensors", "x[1].json", "q?.txt"]
     others = ["aXb.safetensors", "x1.json", "qq.txt", "secret/a*b.safetensors"]
     assert list(filter_repo_objects(names + others, allow_patterns=[_literal(n) for n in names])) == names
+
+
+def test_a_typo_in_the_declared_layout_is_named_not_sent_to_convert_again(tmp_path):
+    """README's earlier example passed parallel={"tp_size": 8}: refused naming the key and the valid ones,
+    without the "convert again" advice of a real mismatch."""
+    import atom_convert
+    from atom_convert.errors import BadInputError
+    from atom_convert.load import ManifestMismatchError, module_tree, rank_view
+    from atom_convert.synth import build_tiny
+
+    src = build_tiny("tiny-deepseek-v2-lite", tmp_path / "src", seed=3)
+    dst = tmp_path / "dst"
+    atom_convert.convert(src, dst)
+    model = module_tree(rank_view(dst, 0))
+    with pytest.raises(BadInputError) as e:
+        atom_convert.load_into(model, dst, rank=0, parallel={"tp_size": 1})
+    assert not isinstance(e.value, ManifestMismatchError)
+    assert "tp_size: not a layout key" in str(e.value) and "tp" in str(e.value) and "convert again" not in str(e.value).lower()
+    m = json.loads((dst / "atom_manifest.json").read_text())
+    assert "enable_expert_parallel" not in m["layout"]["flags"] and "tp_size" not in m["layout"]["flags"]

@@ -287,6 +287,10 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     prof = get_profile(profile)
     view = rank_view(path, rank)
     diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision)
+    unknown = [d for d in diffs if ": not a layout key" in d]
+    if unknown:  # a typo in what the caller declares, not a conversion to redo
+        raise BadInputError(f"load_into(parallel=...): " + "; ".join(unknown)
+                            + "; fix the key (e.g. parallel={'tp': 8})")
     if diffs:
         raise ManifestMismatchError(
             f"{view.path / MANIFEST_NAME}: the converted files do not match this runtime "

@@ -196,7 +196,8 @@ class Manifest:
             elif key in have:
                 got = have[key]
             else:
-                out.append(f"{key}: not a layout key this manifest records")
+                out.append(f"{key}: not a layout key this manifest records (layout keys: "
+                           f"{', '.join(sorted([*have, *per_rank, 'flags']))})")
                 continue
             if got != want:
                 where = f"rank {rank} " if key in per_rank else ""
