@@ -3,7 +3,7 @@ byte of shard data written, through the writer's `fault=` interface (writer.Faul
 
 In this process: `with installed(hook):` makes the conversion driver hand `hook` to its writers
 (it replaces the driver's `FaultHook` name, which in production is the writer's, whose
-`from_env()` returns None); `run_cli(argv, fault="N:SIGNAME")` runs the CLI with it
+`for_run()` returns None); `run_cli(argv, fault="N:SIGNAME")` runs the CLI with it
 (tests/crash_child.py).
 
 As a program, for a fresh interpreter (the installed command's test):
@@ -66,13 +66,13 @@ class SignalAtByte(FaultHook):
 @contextlib.contextmanager
 def installed(hook: FaultHook | None) -> Iterator[FaultHook | None]:
     """While inside, every conversion in this process (and its forked workers) writes through
-    `hook`: the conversion driver's `FaultHook` name is replaced by one whose `from_env()`
+    `hook`: the conversion driver's `FaultHook` name is replaced by one whose `for_run()`
     returns it (production's returns None), and put back on the way out."""
     convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
 
     class Installed(FaultHook):
         @staticmethod
-        def from_env() -> FaultHook | None:
+        def for_run() -> FaultHook | None:
             return hook
 
     real = convert_mod.FaultHook

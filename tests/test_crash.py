@@ -268,7 +268,7 @@ def test_faults_reach_the_writer_only_from_its_caller(src: Path, ref: Path, shar
     from atom_convert.engine import prefetch
 
     monkeypatch.setenv("ATOM_CONVERT_TEST_SIGNAL_AT_BYTE", "1:SIGCONT")  # the variable the writer once read
-    assert writer_mod.FaultHook.from_env() is None
+    assert writer_mod.FaultHook.for_run() is None
     for mod in (writer_mod, prefetch):
         code = inspect.getsource(mod)
         assert "os.environ" not in code and "getenv" not in code, mod.__name__

@@ -52,7 +52,8 @@ from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
 from .prefetch import Prefetcher
 from ..files.safetensors import side_files
 from ..files.source import SourceCheckpoint
-from ..store.staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents, os_error_message, plan_digest, remove_created)
+from ..store.staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
+                             os_error_message, plan_digest, remove_created)
 from .writer import FaultHook, ProcessShardWriter, ShardSetWriter, _IOThread
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,7 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
          staging: Staging, header: dict[str, Any], planned: dict[str, str], resume: str, progress: bool,
          t0: float, workers: int, worker_mode: str, budget: int, record: dict[str, Any]) -> dict[str, Any]:
     """Steps 4-6 of the module docstring, under the lock; the failure policy is here."""
-    fault = FaultHook.from_env()
+    fault = FaultHook.for_run()
     try:
         kept = {s.file: s for s in staging.open(header, planned, resume)}
     except OSError:

@@ -75,11 +75,10 @@ class FaultHook:
         """Inject the fault (the writer calls it with exactly `cut(n)` bytes of the buffer written)."""
 
     @staticmethod
-    def from_env() -> "FaultHook | None":
+    def for_run() -> "FaultHook | None":
         """None: the conversion driver (convert.py) asks for a hook here and passes it to the writers;
         a test replaces the driver's `FaultHook` name with one that returns its hook
-        (tests/fault_launcher.py). Kept under this name for that call; nothing is read from the
-        environment any more."""
+        (tests/fault_launcher.py); nothing is read from the environment."""
         return None
 
 

@@ -25,7 +25,8 @@ import torch
 from ..errors import BadInputError, CheckpointError, ConfigError, json_kind
 from .dtypes import DTYPE_FROM_ST
 from .values import ValueGuard
-from .safetensors import (INDEX_NAME, SINGLE_NAME, check_length, check_member, load_json, os_error, read_header, side_files, weight_files)
+from .safetensors import (INDEX_NAME, SINGLE_NAME, check_length, check_member, load_json, os_error, read_header,
+                          side_files, weight_files)
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "TensorInfo", "load_json", "read_safetensors_header"]
 

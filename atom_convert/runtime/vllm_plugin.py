@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, path: str, *, rank: int, tp_size: int, device
             "--enable-expert-parallel), or load the original checkpoint")
     src = mtp_path(path) if draft else Path(path)
     par = live_parallel(inner, world=tp_size, dp=dp, dp_attention=False)  # DP-attention is off in the plugin (§4)
-    stats, _ = restore(model, src, rank=rank, device=device, parallel=par, profile=PROFILE)
+    restore(model, src, rank=rank, device=device, parallel=par, profile=PROFILE)
     neutralise_mla_hooks(model)
     return {"model." + n for n, _ in inner.named_parameters(remove_duplicate=False)}
 

@@ -289,7 +289,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision)
     unknown = [d for d in diffs if ": not a layout key" in d]
     if unknown:  # a typo in what the caller declares, not a conversion to redo
-        raise BadInputError(f"load_into(parallel=...): " + "; ".join(unknown)
+        raise BadInputError("load_into(parallel=...): " + "; ".join(unknown)
                             + "; fix the key (e.g. parallel={'tp': 8})")
     if diffs:
         raise ManifestMismatchError(

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BadInputError
-from ..files.safetensors import (INDEX_NAME, SIDE_FILES, SIDE_SUFFIXES, SINGLE_NAME, header_bytes, member_problem, select_side_files, weight_files)
+from ..files.safetensors import (INDEX_NAME, SIDE_FILES, SIDE_SUFFIXES, SINGLE_NAME, header_bytes, member_problem,
+                                 select_side_files, weight_files)
 
 
 if TYPE_CHECKING:
