@@ -164,6 +164,34 @@ def test_cache_record_never_written_through_a_symlink(src: Path, tmp_path: Path)
         ensure_converted(src, cache_dir, workers=1)
     assert str(tmp) in str(ei.value) and "symbolic link" in str(ei.value)
     assert v.read_text() == "not atom-convert's" and tmp.is_symlink()
+    # refused before the conversion, not after minutes of it
+    assert not entry.exists() and not staging_of(entry).exists()
+
+
+def test_shard_and_manifest_temporaries_never_written_through_a_symlink(tmp_path: Path) -> None:
+    """A shard's `.partial` and the manifest's `.tmp` are created in the staging directory; a
+    symlink planted at either name is refused (its target untouched), and a regular leftover of an
+    interrupted run is replaced."""
+    from atom_convert.engine.writer import ShardFile
+    from atom_convert.store.manifest import write_manifest
+
+    root = tmp_path / ".dst.atom-partial"
+    root.mkdir()
+    v = victim(tmp_path)
+    (root / (SHARD + ".partial")).symlink_to(v)
+    with pytest.raises(BadInputError) as ei:
+        ShardFile(root, SHARD, None, b"", {}, 0, None)  # type: ignore[arg-type]
+    assert "symbolic link" in str(ei.value) and SHARD + ".partial" in str(ei.value)
+    assert v.read_text() == "not atom-convert's" and (root / (SHARD + ".partial")).is_symlink()
+    (root / "atom_manifest.json.tmp").symlink_to(v)
+    with pytest.raises(BadInputError, match="symbolic link"):
+        write_manifest(root / "atom_manifest.json", {"x": 1})
+    assert v.read_text() == "not atom-convert's" and not (root / "atom_manifest.json").exists()
+    os.unlink(root / "atom_manifest.json.tmp")
+    (root / "atom_manifest.json.tmp").write_text("half")
+    write_manifest(root / "atom_manifest.json", {"x": 1})
+    assert json.loads((root / "atom_manifest.json").read_text()) == {"x": 1}
+    assert not (root / "atom_manifest.json.tmp").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,3 +348,31 @@ def test_hub_cache_pull_waits_for_the_lock_and_runs_under_it(src: Path, tmp_path
     assert len(calls) == 1 and calls[0]["held"], calls
     assert calls[0]["at"] >= float(released.read_text()), "the pull ran before the other holder released DST"
     assert not lock.exists()
+
+
+def test_ensure_converted_hub_pull_runs_under_the_destination_lock(src: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """ensure_converted's --hub-cache pull writes the cache entry as a conversion does, so it holds
+    the entry's destination lock (an `atom-convert convert` into it waits), not only the cache lock."""
+    from atom_convert.engine.cache import cache_path, ensure_converted
+
+    cache_dir = tmp_path / "cache"
+    entry, _ = cache_path(src, cache_dir)
+    lock = entry.parent / f".{entry.name}.atom-lock"
+    seen: list[bool] = []
+
+    def pull(repo: str, key: str, dst: Any) -> None:
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen.append(False)
+        except BlockingIOError:
+            seen.append(True)
+        finally:
+            os.close(fd)
+        return None  # the repo holds another conversion: convert instead
+
+    monkeypatch.setattr(pull_mod, "pull_converted", pull)
+    out = ensure_converted(src, cache_dir, workers=1, hub_cache="org/converted")
+    assert seen == [True], "the pull ran without the entry's destination lock"
+    assert (out / "atom_manifest.json").is_file() and not lock.exists()

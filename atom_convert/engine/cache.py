@@ -41,11 +41,12 @@ from ..errors import BadInputError, HubOfflineError, NotResumableError
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..hub.repo import RepoSpec, open_source, parse_repo_spec
 from ..store.manifest import MANIFEST_NAME, read_manifest
-from ..store.staging import FileLock, replace_file
+from ..store.staging import DestinationLock, DestPaths, FileLock, check_replace_target, replace_file
 
 log = logging.getLogger("atom_convert")
 
 RECORD_SUFFIX = ".cache.json"
+RECORD_EXPECTED = "atom-convert's cache record (a regular file)"
 LOCK_SUFFIX = ".lock"
 
 Fetch = Callable[[Path, dict[str, Any]], bool]
@@ -202,7 +203,9 @@ def _hub_fetch(src: str | os.PathLike[str], repo: str, options: ConversionOption
             key = conversion_record(source, options)["content_key"]
         finally:
             source.close()
-        return pull_converted(repo, key, dst) is not None
+        # the destination's own lock too: an `atom-convert convert` into this entry waits, as for a conversion
+        with DestinationLock(DestPaths(Path(os.path.abspath(dst))), wait=True, notify=log.info):
+            return pull_converted(repo, key, dst) is not None
 
     return fetch
 
@@ -274,6 +277,7 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         log.info("atom-convert cache: building %s (%s)", dst,
                  "; ".join(why) if why else "its files are incomplete")
         _check_own(cache_dir, dst, record, lock)  # again, under the lock
+        check_replace_target(record, RECORD_EXPECTED)  # before the conversion, not after it
         record.unlink(missing_ok=True)
         _clear_unreplaceable(dst)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
@@ -285,6 +289,5 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
                 log.info("atom-convert cache: %s; starting over", e)
                 convert(src, dst, resume="restart", **run)
         # last: the directory counts as current from here on (never written through a symlink)
-        replace_file(record, (json.dumps(want, indent=1, sort_keys=True) + "\n").encode(),
-                     "atom-convert's cache record (a regular file)")
+        replace_file(record, (json.dumps(want, indent=1, sort_keys=True) + "\n").encode(), RECORD_EXPECTED)
     return dst

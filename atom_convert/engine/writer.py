@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch
 from ..errors import AtomConvertError
 from ..store.manifest import WrittenFile
 from ..layout.plan import OutTensor, ShardPlan
+from ..store.lock import kind_of, refuse_foreign
 from ..store.staging import PARTIAL_SUFFIX, Journal, Sealed, fsync_dir
 from .shard_header import _ALIGN, header_digest, safetensors_header, shard_header, shard_layout  # noqa: F401
 from .write_behind import Cancelled, _IOThread
@@ -94,6 +96,20 @@ HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWrite
 
 
 
+def _unlink_own_leftover(final: Path, suffix: str) -> None:
+    """Remove `final + suffix` when it is a regular file (an interrupted write of ours in the
+    staging directory); anything else there is refused, left as it is."""
+    tmp = final.with_name(final.name + suffix)
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse_foreign(tmp, kind_of(st.st_mode) if not stat.S_ISLNK(st.st_mode)
+                             else f"a symbolic link (to {os.readlink(tmp)})", "a shard being written (a regular file)")
+    os.unlink(tmp)
+
+
 class _ShardIO:
     """A shard's `.partial` file open for positional writes (`pwrite`), with the test fault hook."""
 
@@ -106,7 +122,9 @@ class _ShardIO:
         self.offsets = offsets  # tensor name -> absolute offset of its bytes
         self.fault = fault
         self.written: dict[str, list[tuple[int, int]]] = {}  # tensor -> unit ranges handed over
-        self.fd = self._io(os.open, self.tmp, flags, 0o666)  # umask applies
+        # never through a symlink planted at the name (a leftover of ours is unlinked first, then the
+        # file is created exclusively: O_EXCL with O_CREAT does not follow one)
+        self.fd = self._io(os.open, self.tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # umask applies
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
@@ -148,7 +166,8 @@ class ShardFile(_ShardIO):
     def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
                  journal: Journal, fault: FaultHook | None = None, *, hash_from_map: bool = True,
                  hash_read: int = HASH_READ_BYTES):
-        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        _unlink_own_leftover(root / rel, PARTIAL_SUFFIX)
+        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         self.hash_from_map = hash_from_map  # ShardSetWriter's docstring
         self.hash_read = hash_read
         self.header = header

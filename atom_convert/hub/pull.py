@@ -77,7 +77,11 @@ def _pull_into(dst: Path) -> Iterator[Path]:
         raise BadInputError(f"{tmp} exists: another pull into {dst} runs, or one was interrupted; remove {tmp} "
                             "(atom-convert's own download folder) and run again")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except FileExistsError:  # created between the check and here
+        raise BadInputError(f"{tmp} exists: another pull into {dst} runs; wait for it, or remove {tmp} if no pull "
+                            "runs, and run again") from None
     try:
         yield tmp
         if dst.exists():

@@ -39,6 +39,7 @@ from ..errors import ConvertedCheckError
 from ..layout.parallel import REPLICATED, ParallelLayout, Split
 from ..files.dtypes import FP8_DTYPE_BY_TARGET, dtype_name
 from ..files.safetensors import no_duplicates
+from .lock import refuse_foreign
 from .manifest_checks import (_FIX_AGAIN, _FIX_PATHS, FORMAT_VERSION, READABLE_VERSIONS,  # noqa: F401 (re-exported)
                               _confined, _own_root, _refuse, _resolved, _v1_split, check_manifest,
                               converted_error, path_problem)
@@ -281,14 +282,24 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
                                f"{spec.n_mtp} but the checkpoint holds no model.layers.{spec.n_layers}.* tensor"}
         else:
             manifest["mtp"] = {"status": "absent"}
+    if plan.requant is not None:  # --quantize: from, to, rounding rule (atom-layout-next.md §6)
+        manifest["requantization"] = plan.requant
     if seconds is not None:
         manifest["conversion_seconds"] = round(seconds, 3)
     return manifest
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write `path` (in the staging directory the tool made) through `path.tmp`, fsynced and
+    renamed; the temporary file is created exclusively, never through a symlink at its name."""
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
+    if os.path.lexists(tmp):
+        if os.path.islink(tmp) or not os.path.isfile(tmp):
+            raise refuse_foreign(tmp, f"a symbolic link (to {os.readlink(tmp)})" if os.path.islink(tmp)
+                                 else "no regular file", "atom-convert's manifest being written (a regular file)")
+        os.unlink(tmp)  # an interrupted run's own leftover
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")
         f.flush()

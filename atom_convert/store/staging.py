@@ -87,17 +87,25 @@ def _found(st: os.stat_result, path: Path) -> str:
     return kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else "a regular file"
 
 
+def check_replace_target(path: Path, expected: str) -> Path:
+    """Refuse (ForeignPathError) a symlink or non-regular file at `path` or at its temporary name,
+    as `replace_file` would; returns the temporary name. Called before long work too, so that the
+    refusal comes before it, not after."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    for p in (path, tmp):
+        st = _lstat(p)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise refuse_foreign(p, _found(st, p), expected)
+    return tmp
+
+
 def replace_file(path: Path, data: bytes, expected: str) -> None:
     """Write `path` whole and atomically (`path.tmp`, fsynced, renamed over it), never through a
     symlink: the temporary file is created exclusively without following one, and a symlink or
     non-regular file at `path` or at `path.tmp` is refused (ForeignPathError), left as it is. A
     regular file at `path.tmp` is the leftover of an interrupted write (the tool's own name) and is
     replaced. `expected`: what `path` is, for the refusal."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    for p in (path, tmp):
-        st = _lstat(p)
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise refuse_foreign(p, _found(st, p), expected)
+    tmp = check_replace_target(path, expected)
     try:
         os.unlink(tmp)
     except FileNotFoundError:
