@@ -255,17 +255,34 @@ class _FakeCuda:
     stream = device
 
 
-@pytest.mark.parametrize("threads,chunk,reader", [(1, 4096, "pread"), (3, 5000, "pread"), (4, 1 << 20, "pread"),
-                                                  (3, 8192, "mmap")])
-def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader):
+@pytest.mark.parametrize("threads,chunk,reader,cold", [(1, 4096, "pread", False), (3, 5000, "pread", False),
+                                                       (4, 1 << 20, "pread", False), (3, 8192, "mmap", False),
+                                                       (3, 8192, "pread", True), (2, 1 << 20, "pread", True)])
+def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
-    to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned)."""
+    to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned). Cold:
+    page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT."""
+    import mmap
+    import os
+
     from atom_convert.serve import transfer
     from atom_convert.serve.transfer import FileRead, TensorSlot, read_header
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
-    monkeypatch.setattr(transfer, "_pinned", lambda count, size: [torch.empty(size, dtype=torch.uint8) for _ in range(count)])
+    if cold:
+        monkeypatch.setattr(transfer, "_pinned_buffer",
+                            lambda index, size: torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8))
+        for f in d.glob("*.safetensors"):
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        seen: list[str] = []
+        real_read = transfer._read_chunk
+        monkeypatch.setattr(transfer, "_read_chunk", lambda *a: seen.append(real_read(*a)) or seen[-1])
+    else:
+        monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: torch.empty(size, dtype=torch.uint8))
     view = rank_view(d, 1)
     slots = {n: TensorSlot(n, r.dtype, r.shape) for n, r in view.tensors.items()}
     by_file: dict[str, list] = {}
@@ -273,6 +290,8 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
         by_file.setdefault(r.file, []).append(slots[n])
     reads = [FileRead(d / f, read_header(d / f), ss) for f, ss in by_file.items()]
     transfer._place_cuda(reads, torch.device("cpu"), threads=threads, chunk_bytes=chunk, reader=reader)
+    if cold and transfer._open_direct(d / "atom_manifest.json") is not None and transfer._mincore() is not None:
+        assert "direct" in seen, seen
     files = _file_bytes(d, 1)
     for n, s in slots.items():
         assert torch.equal(_bytes(s.tensor), files[n]), n
@@ -295,7 +314,7 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
-    monkeypatch.setattr(transfer, "_pinned", lambda count, size: [torch.empty(size, dtype=torch.uint8) for _ in range(count)])
+    monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: torch.empty(size, dtype=torch.uint8))
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     view = rank_view(d, 0)
     by_file: dict[str, list] = {}
@@ -308,14 +327,14 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
     failed: list[BaseException] = []
     late: list[int] = []
 
-    def preadv(fd, bufs, off):
+    def preadv(fd, bufs, off, *flags):
         if interrupted.is_set():
             late.append(off)
         if not inside.is_set():  # the first read waits inside until Ctrl-C has landed
             inside.set()
             release.wait(30)
         try:
-            return real_preadv(fd, bufs, off)
+            return real_preadv(fd, bufs, off, *flags)
         except BaseException as e:
             failed.append(e)
             raise
@@ -378,12 +397,12 @@ def test_ctrl_c_on_the_gpu_then_a_full_load_is_exact(tmp_path, monkeypatch):
 
     real_preadv, count = os.preadv, [0]
 
-    def slow_preadv(fd, bufs, off):  # ~100 reads of 1 MB at 4 ms each: the load lasts long enough
+    def slow_preadv(fd, bufs, off, *flags):  # ~100 reads of 1 MB at 4 ms each: the load lasts long enough
         count[0] += 1
         if count[0] == 8:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         time.sleep(0.004)
-        return real_preadv(fd, bufs, off)
+        return real_preadv(fd, bufs, off, *flags)
 
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     monkeypatch.setattr(os, "preadv", slow_preadv)
@@ -402,3 +421,85 @@ def test_ctrl_c_on_the_gpu_then_a_full_load_is_exact(tmp_path, monkeypatch):
     torch.cuda.synchronize()
     for s in slots:
         assert s.tensor.device.type == "cuda" and torch.equal(s.tensor.cpu(), tensors[s.name]), s.name
+
+
+def _page_buffer(n: int):
+    """A page-aligned writable buffer of n bytes (an anonymous mapping), as pinned buffers are."""
+    import mmap
+
+    mm = mmap.mmap(-1, n)
+    return mm, memoryview(mm)
+
+
+@pytest.mark.parametrize("cached", ["none", "all", "head"])
+@pytest.mark.parametrize("n", [3 * 4096, 3 * 4096 - 5])
+def test_read_chunk_direct_reads_what_the_cache_lacks(tmp_path, cached, n):
+    """The pread reader's chunk read: a chunk the page cache holds whole (mincore) is copied from
+    it, any other read with O_DIRECT (a chunk ending mid-page at the end of the file included) and
+    the direct read leaves the cache as it was; the bytes equal the file's whichever way they came,
+    and the buffered read alone gives the same bytes."""
+    import os
+
+    from atom_convert.serve import transfer
+
+    data = os.urandom(5 * 4096 + 123)
+    f = tmp_path / "x.bin"
+    f.write_bytes(data)
+    off = 4096 if n % 4096 == 0 else len(data) - n - (len(data) - n) % 4096  # the second ends at the end of the file
+    n = min(n, len(data) - off)
+    fd = os.open(f, os.O_RDONLY)
+    dfd = transfer._open_direct(f)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if cached == "all":
+            os.pread(fd, len(data), 0)
+        elif cached == "head":
+            os.pread(fd, 4096, off)
+        state = transfer.Residency(fd, len(data)).cached(off, n)
+        if state is not None and transfer._mincore() is not None:
+            assert state is (cached == "all")
+        mm, mv = _page_buffer(4 * 4096)
+        how = transfer._read_chunk(fd, dfd, mv, off, n, f, state)
+        assert bytes(mv[:n]) == data[off:off + n]
+        if dfd is not None and state is not None:
+            assert how == ("buffered" if cached == "all" else "direct")
+            assert transfer.Residency(fd, len(data)).cached(off, n) is (cached == "all"), \
+                "the direct read filled the page cache"
+        mm2, mv2 = _page_buffer(4 * 4096)
+        assert transfer._read_chunk(fd, None, mv2, off, n, f) == "buffered"
+        assert bytes(mv2[:n]) == data[off:off + n]
+    finally:
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+
+
+def test_read_chunk_falls_back_when_direct_reads_fail_and_names_a_truncated_file(tmp_path, monkeypatch):
+    import os
+
+    from atom_convert.errors import BadInputError
+    from atom_convert.serve import transfer
+
+    data = os.urandom(4 * 4096)
+    f = tmp_path / "x.bin"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    real = os.preadv
+
+    def refuse_direct(fd_, bufs, off, *flags):
+        if fd_ == 999:
+            raise OSError(22, "Invalid argument")
+        return real(fd_, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    try:
+        mm, mv = _page_buffer(4 * 4096)
+        assert transfer._read_chunk(fd, 999, mv, 0, 4 * 4096, f, False) == "buffered"
+        assert bytes(mv) == data
+        monkeypatch.setattr(os, "preadv", real)
+        for dfd, cached in ((transfer._open_direct(f), False), (None, None)):
+            with pytest.raises(BadInputError, match="truncated"):
+                transfer._read_chunk(fd, dfd, mv, 4096, 4 * 4096, f, cached)
+    finally:
+        os.close(fd)

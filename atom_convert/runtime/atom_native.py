@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..serve.transfer import prepare_pool
 from .common import live_parallel, meta_parameters, mtp_path, restore
 
 log = logging.getLogger("atom_convert")
@@ -81,6 +82,8 @@ def build_and_restore(model_class: Any, config: Any, *, path: str, placement: Pl
                       device: torch.device | None = None) -> nn.Module:
     """Steps 1-3 of the module docstring; returns the model, every tensor final."""
     device = device or _device()
+    if device.type == "cuda":
+        prepare_pool()  # pinned while ATOM builds the model (transfer.prepare_pool)
     with meta_parameters():
         model = model_class(config)
     torch.set_default_device(None)

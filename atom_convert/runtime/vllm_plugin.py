@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError, UnsupportedError
+from ..serve.transfer import prepare_pool
 from .common import live_parallel, mtp_path, restore
 
 LOAD_FORMAT = "atom_converted"
@@ -112,6 +113,10 @@ def register() -> None:
 
     @register_model_loader(LOAD_FORMAT)
     class AtomConvertedLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            prepare_pool()  # pinned while vLLM builds the model (transfer.prepare_pool)
+
         def download_model(self, model_config: Any) -> None:
             return None  # the converted directory is the model path
 

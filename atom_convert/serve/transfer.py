@@ -5,16 +5,22 @@ How it works (GPU, `place_cuda`):
    Parameter on the device) or a fresh `torch.empty` on the device.
 2. Each file's data region is cut into chunks of `chunk_bytes`; the chunks of all files form one
    queue, in file order, so that the disk sees a few large sequential streams.
-3. `threads` workers each own two pinned host buffers and one CUDA stream. A worker takes the next
-   chunk, waits until the copy that last used that buffer has finished (an event), `preadv`s the
-   chunk into the buffer (the GIL is released during the read), then enqueues on its stream one
-   host-to-device copy per destination tensor the chunk overlaps. Reads of one chunk overlap the
-   copies of the previous one, and the workers' copies overlap each other.
+3. `threads` workers each own two pinned host buffers (pinned on first use, or ahead of the load
+   by `prepare_pool`, which the runtime hooks start while the server builds its model) and one CUDA
+   stream. A worker takes the next chunk, waits until the copy that last used that buffer has
+   finished (an event), reads the chunk into the buffer (the GIL is released during the read), then
+   enqueues on its stream one host-to-device copy per destination tensor the chunk overlaps. Reads of
+   one chunk overlap the copies of the previous one, and the workers' copies overlap each other.
+   A chunk the page cache holds (mincore, asked once per file) is `preadv`ed from it; any other is
+   read with O_DIRECT straight into the pinned buffer, so a cold byte is not also copied through
+   the cache (ATOM_CONVERT_LOAD_DIRECT=0: never).
 4. Bytes are copied as bytes: the destination is viewed as uint8, so fp8, e8m0 and fp4 are never
    converted (atom-loading.md §10 item 5).
-Readers, chosen by bench/bench_load.py on the H200 device machine (BENCHMARKS.md, warm, 2 GB):
-`preadv` into pinned buffers on 16 threads 32.1 GB/s (the default), memcpy from a mapping 25.1 GB/s,
-`cudaHostRegister` of the mapping per chunk 15.0 GB/s; cold, all within the disk's rate.
+Readers, chosen by bench/bench_load.py and bench/load_paths.py on the H200 device machine
+(BENCHMARKS.md, warm, 2 GB): `preadv` into pinned buffers on 16 threads 29-34 GB/s (the default),
+memcpy from a mapping 25 GB/s, `cudaHostRegister` of the mapping 10-12 GB/s in ranges of 64 MB to
+1 GB on 2-16 threads (the driver serialises registration: about 20 GB/s of it at most, and it slows
+the other threads' copies when mixed with them); cold, all within the disk's rate.
 
 CPU (`place_cpu`): each file is mapped once copy-on-write (`mmap.ACCESS_COPY`) and every tensor is a
 view of the mapping, so no byte is copied until something writes to it; a tensor whose file offset is
@@ -53,6 +59,8 @@ HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_
 # writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
 CPU_VIEW_ALIGN = 16
 DEFAULT_CHUNK_BYTES = 32 << 20
+# The pread reader reads what the page cache lacks with O_DIRECT (ATOM_CONVERT_LOAD_DIRECT=0: never).
+DIRECT_READS = os.environ.get("ATOM_CONVERT_LOAD_DIRECT", "1") != "0"
 # After Ctrl-C, how long the caller waits for the copy threads to finish their chunk in hand
 # before it gives up on closing the files (a chunk is one read of DEFAULT_CHUNK_BYTES).
 STOP_JOIN_S = 30.0
@@ -166,17 +174,148 @@ def place_cpu(reads: list[FileRead]) -> int:
 
 
 _pool_lock = threading.Lock()
-_pools: dict[tuple[int, int], list[torch.Tensor]] = {}
+_pools: dict[int, dict[int, torch.Tensor]] = {}  # chunk bytes -> buffer index -> pinned buffer
 
 
-def _pinned(count: int, chunk: int) -> list[torch.Tensor]:
-    """Pinned host buffers, kept for the process: a server loads the model and its drafter, and
-    pinning costs about as much per byte as copying (field notes: ~4 GB/s)."""
+def _pinned_buffer(index: int, chunk: int) -> torch.Tensor:
+    """Pinned host buffer `index` of `chunk` bytes, kept for the process (a server loads the model
+    and its drafter). Pinning costs far more per byte than copying (bench/load_paths.py: 1.7 GB/s
+    through cudaHostAlloc on the H200 machine, serialised in the driver), so a buffer is made on
+    first use by the copy thread that owns it, or ahead of the load by `prepare_pool`."""
     with _pool_lock:
-        pool = _pools.setdefault((chunk, 0), [])
-        while len(pool) < count:
-            pool.append(torch.empty(chunk, dtype=torch.uint8, pin_memory=True))
-        return pool[:count]
+        pool = _pools.setdefault(chunk, {})
+        buf = pool.get(index)
+    if buf is None:
+        buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+        with _pool_lock:
+            buf = pool.setdefault(index, buf)
+    return buf
+
+
+_preparing: list[threading.Thread] = []
+
+
+def prepare_pool(threads: int | None = None, chunk_bytes: int | None = None) -> threading.Thread | None:
+    """Pin the GPU path's buffers in a background thread, so that the first load of a process does
+    not wait for them: the runtime hooks call this when a server starts building its model, which
+    takes longer than pinning (bench/load_paths.py: a first call at 2.9 GB/s against 29 GB/s
+    for the second one, warm, when the pool was pinned inside the call). Returns the thread (None
+    without a CUDA device); `place_cuda` uses whatever it has pinned and pins the rest itself."""
+    if not torch.cuda.is_available():
+        return None
+    threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
+    chunk = _chunk_size(chunk_bytes)
+
+    def pin() -> None:
+        try:
+            for i in range(2 * threads):
+                _pinned_buffer(i, chunk)
+        except Exception as e:  # a pool that cannot be pinned now is pinned (or refused) by the load itself
+            log.debug("prepare_pool: %s", e)
+
+    t = threading.Thread(target=pin, name="atom-convert-pin", daemon=True)
+    t.start()
+    _preparing.append(t)
+    return t
+
+
+def _chunk_size(chunk_bytes: int | None) -> int:
+    chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
+    return max(PAGE, chunk // PAGE * PAGE)
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of `path` with O_DIRECT (reads that bypass the page cache), or None where
+    the file system refuses it (tmpfs) or the platform has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or not DIRECT_READS:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return None
+
+
+_libc: Any = None
+_RESIDENT_BIT = bytes(i & 1 for i in range(256))
+
+
+def _mincore() -> Any:
+    """libc's mincore(2), or None where it cannot be called."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            import ctypes.util
+
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = lib.mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _libc = (fn, ctypes)
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+class Residency:
+    """Which of a file's pages sit in the page cache, asked once per load: mincore(2) on a read-only
+    mapping of it, which faults nothing in and starts no read (a non-blocking read, RWF_NOWAIT,
+    starts readahead of what it could not return, so the disk would be read twice). A page evicted
+    or cached after the question only changes which read is used, never the bytes."""
+
+    def __init__(self, fd: int, size: int):
+        self.pages: bytes | None = None
+        lib = _mincore()
+        if lib is None or size == 0:
+            return
+        import numpy as np
+
+        fn, ctypes = lib
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+            if fn(np.frombuffer(mm, dtype=np.uint8).ctypes.data, size, vec) == 0:
+                self.pages = bytes(vec).translate(_RESIDENT_BIT)  # bit 0: the page is resident
+        finally:
+            mm.close()
+
+    def cached(self, off: int, n: int) -> bool | None:
+        """All of bytes [off, off + n) in the page cache when asked (None: unknown)."""
+        if self.pages is None:
+            return None
+        return b"\x00" not in self.pages[off // PAGE:(off + n + PAGE - 1) // PAGE]
+
+
+def _read_chunk(fd: int, dfd: int | None, mv: memoryview, off: int, n: int, path: Path,
+                cached: bool | None = None) -> str:
+    """Read bytes [off, off + n) of the file into `mv` (page-aligned, at least n rounded up to a page
+    long when `dfd` is given). A chunk the page cache holds (`cached`) is copied from it; any other
+    is read with the O_DIRECT descriptor `dfd` straight from the disk into `mv`, bypassing the
+    cache's extra copy (cold, 1.9-2.4 GB/s against 1.2 buffered on the H200 machine:
+    bench/load_paths.py, BENCHMARKS.md). Returns how the bytes came: "direct" or "buffered"."""
+    got = 0
+    if dfd is not None and cached is False and off % PAGE == 0:
+        end = n + (-n % PAGE)  # O_DIRECT: file offset, length and address on page boundaries
+        while got < n:
+            try:
+                r = os.preadv(dfd, [mv[got:end]], off + got)
+            except OSError:  # the file system refused this direct read after all: read it buffered
+                break
+            if r == 0:
+                raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
+            got += r
+            if r % PAGE:  # the end of the file
+                break
+        if got >= n:
+            return "direct"
+        got -= got % PAGE
+    while got < n:
+        r = os.preadv(fd, [mv[got:n]], off + got)
+        if r <= 0:
+            raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
+        got += r
+    return "buffered"
 
 
 def place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None = None,
@@ -194,11 +333,10 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     import numpy as np  # here, not at import time: only this GPU path needs it
 
     threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
-    chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
+    chunk = _chunk_size(chunk_bytes)
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
     if reader not in READERS:
         raise BadInputError(f"load reader {reader!r} is not one of {', '.join(READERS)} (ATOM_CONVERT_LOAD_READER)")
-    chunk = max(PAGE, chunk // PAGE * PAGE)
     # Destinations first, so that no allocation waits behind a copy.
     jobs: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, offset, length, pieces
     for fr in reads:
@@ -232,13 +370,17 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     if not jobs:
         return reader
     threads = max(1, min(threads, len(jobs)))
-    bufs = _pinned(2 * threads, chunk) if reader != "register" else []
     paths = sorted({j[0] for j in jobs})
     fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+    dfds: dict[Path, int | None] = {}
+    resident: dict[Path, Residency] = {}
     maps: dict[Path, Any] = {}
     for p, fd in fds.items():
         if reader == "pread":
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            dfds[p] = _open_direct(p)
+            if dfds[p] is not None:
+                resident[p] = Residency(fd, os.fstat(fd).st_size)
         else:  # one read-only mapping per file; readahead of the whole file is asked for at once
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             mm.madvise(mmap.MADV_WILLNEED)
@@ -248,6 +390,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     errors: list[BaseException] = []
     inflight = InFlight()  # stopped when the caller is interrupted: each thread ends after its chunk
     cudart = torch.cuda.cudart() if reader == "register" else None
+    read_as: dict[str, int] = {}  # bytes per way they came ("cache", "direct", "buffered")
 
     def fill(w: int, slot: int, path: Path, off: int, n: int) -> torch.Tensor:
         """The chunk's bytes in page-locked host memory."""
@@ -258,17 +401,15 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             if int(getattr(err, "value", err)) != 0:
                 raise RuntimeError(f"cudaHostRegister of {path} bytes {off}..{off + n} failed ({err})")
             return torch.from_numpy(arr)  # read-only mapping (its warning is silenced): only read from
-        buf = bufs[2 * w + slot]
+        buf = _pinned_buffer(2 * w + slot, chunk)
         if reader == "mmap":
             np.copyto(buf.numpy()[:n], maps[path][1][off:off + n])
             return buf
-        mv = memoryview(buf.numpy())[:n]
-        got = 0
-        while got < n:
-            r = os.preadv(fds[path], [mv[got:]], off + got)
-            if r <= 0:
-                raise BadInputError(f"{path}: read ended at byte {off + got}; the file is truncated, convert again")
-            got += r
+        dfd = dfds.get(path) if buf.data_ptr() % PAGE == 0 else None
+        cached = resident[path].cached(off, n) if dfd is not None else None
+        how = _read_chunk(fds[path], dfd, memoryview(buf.numpy()), off, n, path, cached)
+        with lock:
+            read_as[how] = read_as.get(how, 0) + n
         return buf
 
     def worker(w: int) -> None:
@@ -337,8 +478,10 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             for mm, arr in maps.values():
                 del arr
             maps.clear()
-            for fd in fds.values():
+            for fd in [*fds.values(), *(d for d in dfds.values() if d is not None)]:
                 os.close(fd)
     if errors:
         raise errors[0]
+    if read_as:
+        log.debug("load: bytes read %s", read_as)
     return reader
