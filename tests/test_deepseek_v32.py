@@ -428,3 +428,70 @@ def test_runtime_with_unfused_flag_refused(v32_out, monkeypatch):
 def test_plugin_profile_refused(v32_src, work):
     with pytest.raises(UnsupportedError, match=r"--profile vllm-plugin.*Convert with --profile atom"):
         atom_convert.convert(v32_src("bf16"), work / "refused-plugin", target="gfx950", profile="vllm-plugin")
+
+
+@pytest.mark.parametrize("fmt,target,tp", [("fp8", "gfx942", 2), ("bf16", "gfx950", 1)])
+def test_verify_source_passes(fmt, target, tp, v32_src, v32_out):
+    """verify --source on a V3.2 conversion: the bf16 wk_weights_proj is compared as bf16 (before, its
+    vestigial fp32 scale was applied to it and verify stopped with an internal error)."""
+    from atom_convert.check.verify import verify
+
+    r = verify(v32_out(fmt, target, tp), v32_src(fmt))
+    assert r.ok, r.failures
+
+
+# §1.5's tables (DeepSeek-V3.2 fp8 release, gfx950, tp 8), rank 0: name -> (dtype, shape); `L.` a layer prefix.
+V32_SPEC_TP8 = {
+    "model.embed_tokens.weight": ("bfloat16", [16160, 7168]), "lm_head.weight": ("bfloat16", [16160, 7168]),
+    "L.self_attn.fused_qkv_a_proj.weight": ("float8_e4m3fn", [2112, 7168]),
+    "L.self_attn.fused_qkv_a_proj.weight_scale": ("float32", [17, 56]),
+    "L.self_attn.q_b_proj.weight": ("float8_e4m3fn", [3072, 1536]),
+    "L.self_attn.q_b_proj.weight_scale": ("float32", [24, 12]),
+    "L.self_attn.kv_b_proj.weight": ("float8_e4m3fn", [4096, 512]),
+    "L.self_attn.kv_b_proj.weight_scale": ("float32", [32, 4]),
+    "L.self_attn.o_proj.weight": ("float8_e4m3fn", [7168, 2048]),
+    "L.self_attn.o_proj.weight_scale": ("float32", [56, 16]),
+    "L.self_attn.mla_attn.impl.W_K": ("float8_e4m3fn", [16, 512, 128]),
+    "L.self_attn.mla_attn.impl.W_V": ("float8_e4m3fn", [16, 128, 512]),
+    f"L.{IDX}wq_b.weight": ("float8_e4m3fn", [8192, 1536]), f"L.{IDX}wq_b.weight_scale": ("float32", [64, 12]),
+    f"L.{IDX}wk_weights_proj.weight": ("bfloat16", [192, 7168]),
+    f"L.{IDX}wk_weights_proj.weight_scale": ("float32", [1, 56]),
+    f"L.{IDX}k_norm.weight": ("float32", [128]), f"L.{IDX}k_norm.bias": ("float32", [128]),
+}
+V32_SPEC_TP8_DENSE = {
+    "L.mlp.gate_up_proj.weight": ("float8_e4m3fn", [4608, 7168]), "L.mlp.gate_up_proj.weight_scale": ("float32", [36, 56]),
+    "L.mlp.down_proj.weight": ("float8_e4m3fn", [7168, 2304]), "L.mlp.down_proj.weight_scale": ("float32", [56, 18]),
+}
+V32_SPEC_TP8_MOE = {
+    "L.mlp.experts.w13_weight": ("float8_e4m3fn", [257, 512, 7168]),
+    "L.mlp.experts.w13_weight_scale": ("float32", [257, 4, 56]),
+    "L.mlp.experts.w2_weight": ("float8_e4m3fn", [257, 7168, 256]),
+    "L.mlp.experts.w2_weight_scale": ("float32", [257, 56, 2]),
+}
+V32_INDEXER_LAYER_BYTES = 15_339_744  # §1.5, per layer
+
+
+def test_dry_run_full_width_matches_spec_tp8(tmp_path):
+    """--dry-run on a header-only DeepSeek-V3.2 fp8 checkpoint at full width (3 dense + 2 MoE layers of
+    61, and the MTP layer) plans §1.5's per-rank inventory at tp 8: V3's tensors, plus the replicated
+    indexer of 15,339,744 bytes a layer."""
+    from atom_convert.engine.planning import plan_summary
+    from atom_convert.layout.options import ConversionOptions
+    from atom_convert.synth import load_preset
+    from test_glm5 import header_only_glm
+
+    cfg = dict(load_preset("deepseek-v3"), architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+               num_hidden_layers=5, first_k_dense_replace=3, index_head_dim=128, index_n_heads=64, index_topk=2048)
+    cfg.pop("quantization_config", None)
+    src = header_only_glm(cfg, tmp_path / "v32-fp8")
+    plan = plan_summary(src, options=ConversionOptions(target="gfx950", tp=8))
+    rows = {t["name"]: (t["dtype"], list(t["shape"]), t["bytes"])
+            for st in plan["sets"] if st["role"] == "main" for t in st["tensors"] if t["rank"] == 0}
+    for i in range(5):
+        for k, v in dict(V32_SPEC_TP8, **(V32_SPEC_TP8_DENSE if i < 3 else V32_SPEC_TP8_MOE)).items():
+            if not k.startswith("L.") and i:
+                continue
+            name = f"model.layers.{i}.{k[2:]}" if k.startswith("L.") else k
+            assert rows[name][:2] == v, (name, rows.get(name))
+        idx = sum(b for n, (_, _, b) in rows.items() if n.startswith(f"model.layers.{i}.{IDX}"))
+        assert idx == V32_INDEXER_LAYER_BYTES, i

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout.codecs.fp8_block import block_dequant
+from ..layout.codecs.int4_pack import int4_dequant
 from ..layout.codecs.mxfp4 import MXFP4_BLOCK, e8m0_unshuffle, mxfp4_dequant
 from ..layout.codecs.shuffle import unshuffle16
 
@@ -21,9 +22,12 @@ FP4X2 = "float4_e2m1fn_x2"
 
 def source_value(src: "SourceCheckpoint", weight_name: str) -> torch.Tensor:
     """fp32 value of a source weight: fp8 block (`weight_scale_inv`), Quark MXFP4
-    (uint8 with `weight_scale`), or plain float."""
+    (uint8 with `weight_scale`), compressed-tensors int4 (`X.weight_packed`, or `X.weight` of a
+    module stored so: the exact q * fp32(scale), atom-layout-next.md §4.1), or plain float."""
+    base = weight_name.removesuffix(".weight_packed").removesuffix(".weight")
+    if f"{base}.weight_packed" in src and (weight_name.endswith(".weight_packed") or weight_name not in src):
+        return int4_dequant(src.get(f"{base}.weight_packed"), src.get(f"{base}.weight_scale"))
     w = src.get(weight_name)
-    base = weight_name.removesuffix(".weight")
     if w.dtype == torch.float8_e4m3fn and f"{base}.weight_scale_inv" in src:
         return block_dequant(w, src.get(f"{base}.weight_scale_inv"))
     if w.dtype == torch.uint8 and f"{base}.weight_scale" in src:
@@ -46,7 +50,9 @@ def decode_weight(ck: "ConvertedCheckpoint", name: str, device: str | torch.devi
     if e["is_shuffled"]:
         w = unshuffle16(w)
     sname = scale_name(name)
-    if sname not in ck.manifest["tensors"]:
+    if sname not in ck.manifest["tensors"] or w.is_floating_point() and w.element_size() >= 2:
+        # a bf16/fp32 weight is its own value: a scale beside it is vestigial (the DSA indexer's
+        # fused wk_weights_proj keeps wk's checkpoint block scale, atom-layout-next.md §1.5)
         return w.to(F32)
     s = ck.get(sname).to(device)
     if e.get("runtime_dtype") == FP4X2:

@@ -28,8 +28,15 @@ def _describe_source(path: Path) -> dict[str, Any]:
     spec = ModelSpec.from_config(src.config, where=str(path / "config.json"))
     fmt = detect_format(src.config, where=str(path / "config.json"))
     dtypes = Counter(str(i.dtype).removeprefix("torch.") for i in src.tensors.values())
-    layers = {int(m.group(1)) for n in src.names() if (m := _LAYER.match(n))}
+    root = spec.text_prefix  # Kimi-K2.5: language_model.* (atom-layout-next.md §3.1)
+    layers = {int(m.group(1)) for n in src.names() if n.startswith(root) and (m := _LAYER.match(n[len(root):]))}
     moe = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
+    extra = {}
+    if root:
+        outside = [n for n in src.names() if not n.startswith(root)]
+        extra = {"outside the text model": {"tensors": len(outside),
+                                            "bytes": sum(src.info(n).nbytes for n in outside),
+                                            "prefixes": sorted({n.split(".")[0] + "." for n in outside})}}
     return {
         "kind": "source checkpoint",
         "path": str(path),
@@ -45,6 +52,7 @@ def _describe_source(path: Path) -> dict[str, Any]:
         "dims": {"hidden": spec.H, "heads": spec.Nh, "q_lora_rank": spec.Q, "kv_lora_rank": spec.L,
                  "experts": spec.E, "shared_experts": spec.S, "moe_intermediate": spec.I, "vocab": spec.vocab},
         "layer formats": layer_formats(spec, fmt),
+        **extra,
     }
 
 
@@ -53,7 +61,7 @@ def layer_formats(spec: ModelSpec, fmt: Any) -> dict[str, str]:
     e.g. 'self_attn: bf16; mlp.experts: mxfp4; mlp.shared_experts: bf16'."""
     out = {}
     for i in range(spec.n_layers + spec.n_mtp):
-        p = f"model.layers.{i}."
+        p = f"{spec.text_prefix}model.layers.{i}."
         groups: dict[str, list[str]] = {
             "self_attn": (["q_a_proj", "q_b_proj"] if spec.Q else ["q_proj"])
             + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
@@ -141,7 +149,16 @@ def _describe_converted(path: Path) -> dict[str, Any]:
         "moe layers": m["model"]["moe_layers"],
         "mtp": m.get("mtp", {}).get("status"),
         "dropped source tensors": len(m.get("dropped", {})),
+        **_dropped_why(m.get("dropped", {})),
     }
+
+
+def _dropped_why(dropped: dict[str, str]) -> dict[str, Any]:
+    """The reasons source tensors were dropped, each with how many (e.g. Kimi-K2.5's vision tower
+    natively), when there are any."""
+    if not dropped:
+        return {}
+    return {"dropped because": dict(Counter(dropped.values()))}
 
 
 def _mode(par: Any) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..layout.model import ModelSpec
+from ..layout.model import ModelSpec, text_config
 from ..layout.profile import get_profile
 from .decode import decode_mla, decode_weight
 from ..store.reader import ConvertedCheckpoint
@@ -44,7 +44,8 @@ class Rope:
     def __init__(self, config: dict[str, Any], spec: ModelSpec):
         import transformers
 
-        cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map", "architectures")}
+        cfg = {k: v for k, v in text_config(config).items()
+               if k not in ("quantization_config", "auto_map", "architectures")}
         v2 = spec.architecture == "DeepseekV2ForCausalLM"
         cfg["model_type"] = "deepseek_v2" if v2 else "deepseek_v3"
         hf_cfg = (transformers.DeepseekV2Config if v2 else transformers.DeepseekV3Config)(**cfg)
@@ -99,9 +100,11 @@ class ConvertedModel:
         self.par = self.ranks[0].typed.parallel
         self.attn_ranks = range(self.par.attn_tp)  # rank r < attn_tp holds attention piece r
         # The forward names tensors natively; the profile maps them to the stored names.
-        self.name = get_profile(self.ranks[0].typed.profile).tensor
         self.config = json.loads((self.path / "config.json").read_text())
         self.spec = ModelSpec.from_config(self.config)
+        # Kimi-K2.5: ATOM's text-model names carry `language_model.` (atom-layout-next.md §3.2)
+        to_profile, root = get_profile(self.ranks[0].typed.profile).tensor, self.spec.text_prefix
+        self.name = lambda native: to_profile(root + native)
         self.device = device
         self.rope = Rope(self.config, self.spec)
 

@@ -24,9 +24,12 @@ import torch
 from ..store.manifest import Manifest, read_manifest, sha256_file
 from ..layout.parallel import Split
 from ..files.dtypes import ST_DTYPE, dtype_from_name
-from .decode import decode_mla, decode_weight, source_value, unpad_moe
+from .decode import decode_mla, decode_weight, scale_name, source_value, unpad_moe
 from ..store.reader import ConvertedCheckpoint
 from ..errors import BadInputError
+from ..layout.codecs.fp8_block import block_dequant
+from ..layout.codecs.mxfp4 import mxfp4_dequant
+from ..layout.codecs.requant import fp8_block_quant, quark_mxfp4_quant
 from ..files.safetensors import read_header
 from ..files.source import SourceCheckpoint
 
@@ -178,6 +181,10 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
         man = Manifest.read(root)
         par = man.parallel
         n_routed = int(man.raw.get("model", {}).get("n_routed_experts") or 0)
+        requantized = man.raw.get("requantization") is not None  # --quantize: check/verify.check_requant
+        # --quantize fp8 of a bf16 source re-encodes kv_b too: W_K/W_V are then bounded against the
+        # re-encoded kv_b (what ATOM computes them from); kv_b's own error is check_requant's row.
+        kvb_requant = requantized and man.raw["requantization"].get("modules") != "routed experts"
         for rank in range(par.world):
             ck = ConvertedCheckpoint(root, rank)
             for name, e in man.tensors.items():
@@ -185,13 +192,16 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
                     continue
                 if e.placement == "common" and rank > 0:
                     continue
+                if requantized and scale_name(name) in man.tensors:
+                    continue  # re-encoded from its source: compared within the spec's bound by check_requant
                 if name.endswith(".W_K"):
                     if flagged.intersection(e.sources):
                         # The per-tensor re-quantisation takes the amax: one NaN spreads over the operand.
                         _note(report, f"{name.removesuffix('.W_K')}.W_K/W_V not compared: their kv_b source holds "
                                       f"values the conversion's checks flagged (converted with --allow-nonfinite)")
                         continue
-                    _check_mla(ck, src, name.removesuffix(".W_K"), e.sources, e.split, rank, report)
+                    _check_mla(ck, src, name.removesuffix(".W_K"), e.sources, e.split, rank, report,
+                               man.raw["requantization"]["to"] if kvb_requant else None)
                     continue
                 weights = [s for s in e.sources if not s.endswith(("_scale_inv", ".weight_scale"))]
                 got = decode_weight(ck, name)
@@ -239,11 +249,14 @@ def _note(report: CheckReport, text: str) -> None:
 
 
 def _check_mla(ck: ConvertedCheckpoint, src: SourceCheckpoint, owner: str, sources: list[str], split: Split,
-               rank: int, report: CheckReport) -> None:
+               rank: int, report: CheckReport, requant: str | None = None) -> None:
     """W_K/W_V decode to the rank's kv_b heads within their format's rounding (they are
     re-quantised, spec §4.1/§4.2): fp8 e4m3 moves a value by at most 2^-4 of the tensor's amax;
     MXFP4 e2m1 (1 mantissa bit, one scale per 32) by at most 2^-2 of its block's amax."""
-    kvb = source_value(src, [s for s in sources if s.endswith(".weight")][0]).to(torch.bfloat16).float()
+    kvb = source_value(src, [s for s in sources if s.endswith(".weight")][0])
+    if requant is not None:  # kv_b re-encoded by --quantize (codecs/requant.py): ATOM's W_K/W_V start from that
+        kvb = block_dequant(*fp8_block_quant(kvb)) if requant == "fp8-block" else mxfp4_dequant(*quark_mxfp4_quant(kvb))
+    kvb = kvb.to(torch.bfloat16).float()
     wk, wv = decode_mla(ck, owner)
     mxfp4 = ck.entry(f"{owner}.W_K").get("runtime_dtype") is not None
     nr, L, P = wk.shape

@@ -46,9 +46,14 @@ from typing import Any
 import torch
 
 from ..errors import BadInputError
-from .tensors import CheckReport, check_files, check_values
-from ..layout.model import ModelSpec
-from .decode import source_value
+from .tensors import CheckReport, _cut, _sets, check_files, check_values
+from ..files.dtypes import FP8_BLOCK
+from ..layout.codecs.mxfp4 import MXFP4_BLOCK
+from ..layout.codecs.requant import mxfp4_exponent
+from ..store.manifest import Manifest
+from ..store.reader import ConvertedCheckpoint
+from ..layout.model import ModelSpec, text_config
+from .decode import decode_weight, scale_name, source_value, unpad_moe
 from .reference import ConvertedModel, compare
 from ..files.source import SourceCheckpoint
 
@@ -59,7 +64,12 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "layer": {"rel_l2": 1e-4, "cosine": 0.999999},
     "logits": {"rel_l2": 1e-3, "cosine": 0.99999, "top1": 0.99},
     "info": {},
+    # --quantize (atom-layout-next.md §4.4, §4.5): per element, |err| / bound <= 1 (bound_ratio), and for
+    # MXFP4 from int4 at most 1.6 int4 steps; the forward rows then report the drift (info).
+    "requant": {"bound_ratio": 1.0, "int4_steps_mxfp4": 1.6},
 }
+# Float slack on the per-element bounds (the bounds are exact in real arithmetic; fp32 subtraction is not).
+_BOUND_SLACK = 1e-6
 
 
 @dataclass
@@ -72,7 +82,8 @@ class VerifyResult:
         out = list(self.check.problems)
         for row in self.rows:
             if not row["ok"]:
-                out.append(f"{row['what']}: " + ", ".join(f"{k}={row[k]:.4g}" for k in ("rel_l2", "cosine", "top1")
+                out.append(f"{row['what']}: " + ", ".join(f"{k}={row[k]:.4g}" for k in
+                                                          ("rel_l2", "cosine", "top1", "bound_ratio", "int4_steps")
                                                           if k in row))
         return out
 
@@ -108,7 +119,9 @@ class SourceLayers:
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
-        cfg = {k: v for k, v in src.config.items() if k not in ("quantization_config", "auto_map", "architectures")}
+        # Kimi-K2.5: its text_config, the DeepseekV3Config transformers' Kimi_K25 builds its language model from
+        cfg = {k: v for k, v in text_config(src.config).items()
+               if k not in ("quantization_config", "auto_map", "architectures")}
         v2 = spec.architecture == "DeepseekV2ForCausalLM"
         cfg["model_type"] = "deepseek_v2" if v2 else "deepseek_v3"  # Kimi-K2 (docs/test-fixtures.md §1)
         self.cfg = (transformers.DeepseekV2Config if v2 else transformers.DeepseekV3Config)(**cfg)
@@ -125,7 +138,8 @@ class SourceLayers:
         self.src, self.spec, self.device = src, spec, device
 
     def value(self, name: str) -> torch.Tensor:
-        t = source_value(self.src, name)
+        """A text-model tensor by its causal-LM name (the checkpoint's text prefix added: Kimi-K2.5)."""
+        t = source_value(self.src, self.spec.text_prefix + name)
         if name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
             t = t.to(torch.bfloat16).float()
         return t.to(self.device)
@@ -146,6 +160,102 @@ class SourceLayers:
         return layer.to(self.device).eval()
 
 
+def _requant_bound(exp: torch.Tensor, to: str) -> torch.Tensor:
+    """The spec's per-element bound on |requantised - source| for source values `exp` [..., N, K]:
+    MXFP4 (§4.4): 2^e, the group's e8m0 scale (Quark's even exponent of the 32 inputs' amax; the
+    e2m1 grid's half spacing is at most 2^e, saturation at 6 * 2^e costs at most 2^e); fp8 block
+    (§4.5): max(2^-4 |w|, 2^-10 S) with S = the 128x128 block's amax / 448 (e4m3's 3 mantissa bits,
+    and its subnormal step 2^-9 S)."""
+    if to == "mxfp4":
+        e = mxfp4_exponent(exp.reshape(*exp.shape[:-1], -1, MXFP4_BLOCK))
+        return torch.exp2(e).repeat_interleave(MXFP4_BLOCK, -1)
+    *lead, n, k = exp.shape
+    b = FP8_BLOCK
+    gn, gk = -(-n // b), -(-k // b)
+    pad = exp.new_zeros(*lead, gn * b, gk * b)
+    pad[..., :n, :k] = exp.abs()
+    s = pad.view(*lead, gn, b, gk, b).amax(dim=(-3, -1)) / float(torch.finfo(torch.float8_e4m3fn).max)
+    s = s.repeat_interleave(b, -2)[..., :n, :].repeat_interleave(b, -1)[..., :k]
+    return torch.maximum(exp.abs() * 2.0**-4, s * 2.0**-10)
+
+
+def _int4_steps(src: SourceCheckpoint, name: str) -> torch.Tensor:
+    """fp32 int4 scale per element of an int4 source weight (its `weight_scale` per 32 inputs)."""
+    base = name.removesuffix(".weight_packed").removesuffix(".weight")
+    return src.get(f"{base}.weight_scale").float().repeat_interleave(32, -1)
+
+
+def _stacked(src: SourceCheckpoint, name: str, weights: list[str], n_got: int, split: Any, slots: list[int],
+             n_routed: int, rank: int, value: Any) -> torch.Tensor:
+    """What `tensors._expected_experts` stacks, of `value(src, source name)`: the rank's experts,
+    each [gate; up] or down, cut on I as the split says."""
+    total = n_routed + (1 if any(".shared_experts." in w for w in weights) else 0)
+    per = len(weights) // total
+    parts = [weights[i * per:(i + 1) * per] for i in slots[:n_got]]
+    if name.endswith("w13_weight"):
+        return torch.stack([torch.cat([_cut(value(src, n), split, rank, 0) for n in p if "down_proj" not in n])
+                            for p in parts])
+    return torch.stack([_cut(value(src, [n for n in p if "down_proj" in n][0]), split, rank, 1) for p in parts])
+
+
+def check_requant(dst: str | Path, source: str | Path) -> list[dict[str, Any]]:
+    """--quantize conversions: every re-encoded tensor (a weight with a scale beside it, the MLA operands
+    excepted: tensors._check_mla bounds those) decoded and compared with its source through the source's
+    own exact dequantisation (int4: q * fp32(scale); bf16: the values), cut for each rank as the
+    manifest's split says. One row per (rank, tensor): relative RMS error, max |err|, max |err| / the
+    spec's per-element bound (`_requant_bound`), and for an int4 source max |err| in int4 steps."""
+    rows: list[dict[str, Any]] = []
+    src = SourceCheckpoint(source)
+    for root, m in _sets(Path(dst)):
+        rq = m.get("requantization")
+        if not rq:
+            continue
+        man = Manifest.read(root)
+        par, to = man.parallel, rq["to"]
+        n_routed = int(m.get("model", {}).get("n_routed_experts") or 0)
+        for rank in range(par.world):
+            ck = ConvertedCheckpoint(root, rank)
+            for name, e in man.tensors.items():
+                if name.endswith("_scale") or scale_name(name) not in man.tensors:
+                    continue
+                if e.placement == "common" and rank > 0:
+                    continue
+                weights = [s for s in e.sources if not s.endswith(("_scale_inv", ".weight_scale", ".weight_shape"))]
+                int4 = all(w.endswith(".weight_packed") for w in weights)
+                got = decode_weight(ck, name)
+                steps = None
+                if e.split.kind == "experts":
+                    got = unpad_moe(got, ck.entry(name), "w13" if name.endswith("w13_weight") else "w2")
+                    args = (src, name, weights, got.shape[0], e.split, par.ranks[rank].slots, n_routed, rank)
+                    exp = _stacked(*args, source_value)
+                    if int4:
+                        steps = _stacked(*args, _int4_steps)
+                else:
+                    exp = torch.cat([_cut(source_value(src, n), e.split, rank) for n in weights])
+                    if int4:
+                        steps = torch.cat([_cut(_int4_steps(src, n), e.split, rank) for n in weights])
+                row: dict[str, Any] = {"what": f"{root.name}/rank{rank} {name} ({rq['from']} -> {to})", "kind": "requant"}
+                if got.shape != exp.shape:
+                    rows.append({**row, "rel_l2": float("inf"), "cosine": 0.0, "max_abs": float("inf"),
+                                 "bound_ratio": float("inf"), "ok": False})
+                    continue
+                err = (got - exp).abs()
+                ratio = float((err / _requant_bound(exp, to)).nan_to_num(0.0, float("inf")).max()) if err.numel() else 0.0
+                metrics = compare(got.reshape(1, -1), exp.reshape(1, -1))
+                row.update(rel_l2=metrics["rel_l2"], cosine=metrics["cosine"], max_abs=float(err.max()),
+                           bound_ratio=ratio)
+                ok = ratio <= THRESHOLDS["requant"]["bound_ratio"] + _BOUND_SLACK
+                if steps is not None:
+                    row["int4_steps"] = float((err / steps).max())
+                    if to == "mxfp4":
+                        ok = ok and row["int4_steps"] <= THRESHOLDS["requant"]["int4_steps_mxfp4"] + _BOUND_SLACK
+                row["ok"] = ok
+                rows.append(row)
+            ck.close()
+    src.close()
+    return rows
+
+
 def _through_loader(dst: Path, device: str) -> list[Any]:
     """Every rank loaded by `load_into` into a bare module tree on `device`, read back as the reference
     forward's ranks: the forward then computes with the tensors the loader placed."""
@@ -154,8 +264,9 @@ def _through_loader(dst: Path, device: str) -> list[Any]:
     tp = rank_view(dst, 0).typed.parallel.world
     ranks = []
     for r in range(tp):
-        tree = module_tree(rank_view(dst, r))
-        load_into(tree, dst, rank=r, device=device)
+        view = rank_view(dst, r)
+        tree = module_tree(view)  # named as the files' profile names them (a vllm-plugin tree: `model.` ...)
+        load_into(tree, dst, rank=r, device=device, profile=view.profile)
         ranks.append(LoadedRank(tree, dst, r))
     return ranks
 
@@ -220,6 +331,7 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
     if source is None:
         return result
     check_values(dst, source, report)
+    result.rows += check_requant(dst, source)
     flagged = report.flagged_sources
     if flagged:
         # NaN/Inf carried into the weights make every later activation NaN on both sides (and a zero
@@ -230,6 +342,17 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
         return result
     conv = ConvertedModel(dst, device=device, ranks=_through_loader(dst, device) if through_loader else None)
     mxfp4_bmm = bool(conv.ranks[0].manifest["layout"]["flags"].get("ATOM_USE_TRITON_MXFP4_BMM"))
+    # --quantize: what reads re-encoded weights reports its drift (kind "info"); the per-tensor rows above
+    # carry the check (spec §4.4, §4.5). With the routed experts alone re-encoded, each layer's attention
+    # and a dense layer's output still equal the source's (every checked layer gets the source's input).
+    rq = conv.ranks[0].manifest.get("requantization") or {}
+    experts_only = rq.get("modules") == "routed experts"
+
+    def judge(what: str, kind: str, m: dict[str, float], layer: int | None = None) -> dict[str, Any]:
+        exact = not rq or (experts_only and (" attention " in what or (layer is not None
+                                                                        and not spec.is_moe_layer(layer))))
+        return _judge(what, kind, m) if exact else _judge(f"{what} (requantised: drift)", "info", m)
+
     ids = torch.randint(0, spec.vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)
     ref = SourceLayers(src, spec, device)
     picked = set(layers if layers is not None else range(spec.n_layers))
@@ -248,18 +371,18 @@ def verify(dst: str | Path, source: str | Path | None = None, *, layers: list[in
             hook.remove()
             if i in picked:
                 lo = conv.layer(i, x[0])
-                result.rows.append(_judge(f"layer {i} attention (W_K/W_V)", "attn_mxfp4" if mxfp4_bmm else "attn",
+                result.rows.append(judge(f"layer {i} attention (W_K/W_V)", "attn_mxfp4" if mxfp4_bmm else "attn",
                                           compare(lo.attn, got["attn"][0])))
-                result.rows.append(_judge(f"layer {i} attention (kv_b prefill)", "attn_prefill",
+                result.rows.append(judge(f"layer {i} attention (kv_b prefill)", "attn_prefill",
                                           compare(lo.attn_prefill, got["attn"][0])))
-                result.rows.append(_judge(f"layer {i} output", "layer", compare(lo.out, out[0])))
+                result.rows.append(judge(f"layer {i} output", "layer", compare(lo.out, out[0]), i))
             x = out
             del layer
         h = x[0].float()
         h = ref.value("model.norm.weight") * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps))
         ref_logits = h @ ref.value("lm_head.weight").T
-        result.rows.append(_judge("final logits (kv_b prefill path)", "logits", compare(conv.forward(ids), ref_logits, logits=True)))
-        result.rows.append(_judge("final logits (W_K/W_V path, info)", "info",
+        result.rows.append(judge("final logits (kv_b prefill path)", "logits", compare(conv.forward(ids), ref_logits, logits=True)))
+        result.rows.append(judge("final logits (W_K/W_V path, info)", "info",
                                   compare(conv.forward(ids, absorbed=True), ref_logits, logits=True)))
     return result
 
@@ -268,6 +391,10 @@ def format_table(r: VerifyResult) -> str:
     lines = [f"{'check':<44} {'rel L2':>10} {'cosine':>10} {'max abs':>10} {'top-1':>7}  result"]
     for row in r.rows:
         top1 = f"{row['top1']:.3f}" if "top1" in row else ""
+        extra = ""
+        if row["kind"] == "requant":  # the per-element bound used (spec §4.4, §4.5), and int4 steps
+            extra = f"  (max err / bound {row['bound_ratio']:.3f}" + (
+                f", {row['int4_steps']:.3f} int4 steps" if "int4_steps" in row else "") + ")"
         lines.append(f"{row['what']:<44} {row['rel_l2']:>10.3g} {row['cosine']:>10.6f} {row['max_abs']:>10.3g} {top1:>7}  "
-                     + ("info" if row["kind"] == "info" else "ok" if row["ok"] else "FAIL"))
+                     + ("info" if row["kind"] == "info" else "ok" if row["ok"] else "FAIL") + extra)
     return "\n".join(lines)

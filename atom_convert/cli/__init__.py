@@ -109,6 +109,10 @@ def cli() -> None:
 @click.option("--mla-bmm", type=click.Choice(["fp8", "mxfp4"]), default="fp8", show_default=True,
               help="Format of the MLA operands W_K/W_V: fp8 (ATOM default) or mxfp4 (gfx950, the layout of "
                    "ATOM_USE_TRITON_MXFP4_BMM=1).")
+@click.option("--quantize", type=click.Choice(["mxfp4", "fp8"]), default=None,
+              help="Re-encode while converting: mxfp4 (gfx950; routed experts, amd-quark's MXFP4 rounding) or fp8 "
+                   "(DeepSeek fp8 block-128: an int4 source's routed experts, a bf16 source's linears). Required "
+                   "for compressed-tensors int4 sources (Kimi-K2-Thinking): ATOM has no int4 MoE.")
 @click.option("--ep", is_flag=True, help="Expert parallel (ATOM --enable-expert-parallel): whole experts per rank.")
 @click.option("--dp-attention", is_flag=True,
               help="ATOM --enable-dp-attention: attention, dense MLPs, embeddings whole on every rank (stored once).")
@@ -137,7 +141,7 @@ def cli() -> None:
                    "when its content key matches this conversion.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def convert(src: str, dst: Path, target: str, tp: int, shard_size: int, dry_run: bool, force: bool, resume: bool,
-            restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, ep: bool, dp_attention: bool, shared_experts: str,
+            restart: bool, wait: bool, no_mtp: bool, mla_bmm: str, quantize: str | None, ep: bool, dp_attention: bool, shared_experts: str,
             mori: bool, profile: str, allow_nonfinite: bool, workers: int | None, worker_mode: str,
             max_memory: int | None, revision: str | None, hub_cache: str | None, as_json: bool) -> None:
     """Convert the checkpoint in SRC (a folder, or a Hugging Face repo id org/name[@revision], downloaded
@@ -154,7 +158,8 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: int, dry_run:
     if resume and restart:
         raise click.UsageError("--resume and --restart exclude each other; give one of them")
     opts = ConversionOptions(target=target, tp=tp, shard_size=shard_size, mtp=not no_mtp, mla_bmm=mla_bmm, ep=ep,
-                             dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile)
+                             dp_attention=dp_attention, shared_experts=shared_experts, mori=mori, profile=profile,
+                             quantize=quantize)
     if dry_run:
         plan = plan_summary(src, options=opts, revision=revision)
         if as_json:
@@ -195,6 +200,10 @@ def convert(src: str, dst: Path, target: str, tp: int, shard_size: int, dry_run:
                f"{_human(total)} in {m['conversion_seconds']:.1f} s -> {dst}")
     if m["mtp"]["status"] == "converted":
         click.echo(f"MTP layer: {m['mtp']['tensors']} tensors in {dst / m['mtp']['path']}")
+    rq = m.get("requantization")
+    if rq:
+        click.echo(f"re-encoded ({rq['modules']}): {rq['from']} -> {rq['to']}; config.json's quantization_config "
+                   f"now says {rq['quantization_config']['quant_method']} (atom_manifest.json: requantization)")
 
 
 @contextlib.contextmanager
@@ -226,7 +235,8 @@ def _human(n: float) -> str:
 
 def _print_plan(plan: dict[str, Any]) -> None:
     par = plan["parallel"]
-    click.echo(f"plan: {plan['architecture']} ({plan['model_type']}, {plan['source_format']}) -> ATOM layout for "
+    requant = f" re-encoded to {plan['quantize']}" if plan.get("quantize") else ""
+    click.echo(f"plan: {plan['architecture']} ({plan['model_type']}, {plan['source_format']}{requant}) -> ATOM layout for "
                f"{plan['target']}, tp={plan['tp']} (ep={par['ep']}, dp_attention={par['dp_attention']}, "
                f"profile {plan['profile']}); nothing is written (--dry-run)")
     for st in plan["sets"]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -258,15 +259,22 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
     return files, where
 
 
-def _copy_side_files(src: Path, dst: Path) -> dict[str, dict[str, Any]]:
+def _copy_side_files(src: Path, dst: Path, requant: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Config, generation config and tokenizer files, and the Python files their `auto_map`s load
     with trust_remote_code (safetensors_file.side_files: one that resolves outside SRC is refused,
-    never read), with their sizes and hashes."""
+    never read), with their sizes and hashes. Under --quantize (`requant`, the plan's record)
+    config.json is written with the served `quantization_config` instead (codecs/requant.py), so that
+    a runtime reading it sees what the directory holds."""
     copied = {}
     for name in side_files(src):
         p = src / name
-        shutil.copy2(p, dst / name)
-        copied[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        if name == "config.json" and requant is not None:
+            cfg = json.loads(p.read_text())
+            cfg["quantization_config"] = requant["quantization_config"]
+            (dst / name).write_text(json.dumps(cfg, indent=2) + "\n")
+        else:
+            shutil.copy2(p, dst / name)
+        copied[name] = {"bytes": (dst / name).stat().st_size, "sha256": sha256_file(dst / name)}
     return copied
 
 
@@ -274,7 +282,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             tp: int | None = None, shard_size: int | str | None = None, mtp: bool | None = None,
             profile: str | None = None, mla_bmm: str | None = None, ep: bool | None = None,
             dp_attention: bool | None = None, shared_experts: str | None = None, mori: bool | None = None,
-            options: ConversionOptions | None = None, force: bool = False, progress: bool = False,
+            quantize: str | None = None, options: ConversionOptions | None = None, force: bool = False, progress: bool = False,
             resume: str = "auto", wait: bool = False, notify: Callable[[str], None] | None = None,
             workers: int | None = 1, worker_mode: str = "auto", max_memory: int | str | None = None,
             allow_nonfinite: bool = False, revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
@@ -298,6 +306,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         progress: show a tqdm bar in bytes.
         mla_bmm: "fp8" (default) or "mxfp4" (gfx950, ATOM_USE_TRITON_MXFP4_BMM=1): the format of the
             MLA operands W_K/W_V.
+        quantize: re-encode while converting (atom-layout-next.md §4.4-4.5): "mxfp4" (gfx950: routed
+            experts to MXFP4 with amd-quark's rounding) or "fp8" (DeepSeek fp8 block-128: the routed
+            experts of an int4 source, every linear DeepSeek quantises of a bf16 one). Required for a
+            compressed-tensors int4 source (ATOM has no int4 MoE); None keeps the stored format.
         resume: what to do with the partial conversion an interrupted run left beside `dst`:
             "auto" (default) resumes it when the source and options are unchanged, refuses otherwise;
             "resume" does the same and says when there is nothing to resume; "restart" discards it.
@@ -330,7 +342,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     t0 = time.perf_counter()
     opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, profile=profile,
                                    mla_bmm=mla_bmm, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
-                                   mori=mori)
+                                   mori=mori, quantize=quantize)
     note = notify or log.info
     if resume not in RESUME_MODES:
         raise BadInputError(f"resume={resume!r}; choose one of {', '.join(RESUME_MODES)}")
@@ -437,12 +449,12 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
         # is converted as it arrives; the MTP layer lives in the last shards.
         files, where = _write_set("main", sets["main"], tmp, plan, bar.update, source, staging, kept, fault, workers,
                                   budget, stop, pool)
-        copied = _copy_side_files(source.path, tmp)
+        copied = _copy_side_files(source.path, tmp, plan.requant)
         mtp_manifest = None
         if mtp_layout is not None:
             mfiles, mwhere = _write_set("mtp", sets["mtp"], tmp, plan, bar.update, source, staging, kept, fault,
                                         workers, budget, stop, pool)
-            mcopied = _copy_side_files(source.path, tmp / MTP_DIR)
+            mcopied = _copy_side_files(source.path, tmp / MTP_DIR, plan.requant)
             mtp_manifest = build_manifest(plan, mtp_layout.plan, source, mfiles, mwhere, mcopied, role="mtp")
             write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)
         manifest = build_manifest(plan, main.plan, source, files, where, copied, role="main",

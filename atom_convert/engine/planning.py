@@ -11,6 +11,7 @@ from typing import Any
 from ..files.source import SourceCheckpoint
 from ..layout import arch as loaders
 from ..layout import codecs as quant
+from ..layout.codecs.requant import RequantFormat, served_format
 from ..layout.model import ModelSpec
 from ..layout.options import ConversionOptions
 from ..layout.plan import COMMON, ConversionPlan, ModelPlan, ShardPlan, apply_profile, assign_shards
@@ -33,12 +34,15 @@ def make_plan(src: SourceCheckpoint, options: ConversionOptions | None = None, *
     """The conversion plan of `src` for `options` (or the same fields as keywords)."""
     opts = ConversionOptions.build(options, **kw)
     spec = ModelSpec.from_config(src.config, where=str(src.path / "config.json"))
-    fmt = quant.detect_format(src.config, where=str(src.path / "config.json"))
+    where = str(src.path / "config.json")
+    fmt = served_format(quant.detect_format(src.config, where=where), opts.quantize, opts.target, where)
     loader = loaders.get_loader(spec)
     prof = get_profile(opts.profile)
     plan = loader.plan(src, spec, fmt, target=opts.target, tp=opts.tp, profile=prof, mtp=opts.mtp,
                        mla_bmm=opts.mla_bmm, parallel=opts.parallel())
     apply_profile(plan, prof)  # the one renaming step: loaders plan with ATOM-native names
+    if isinstance(fmt, RequantFormat):
+        plan.requant = fmt.record()
     return plan
 
 
@@ -104,6 +108,7 @@ def plan_summary(src: str | os.PathLike[str] | SourceCheckpoint, target: str | N
                                  "tensors": len(s.names), "bytes": s.nbytes}
                                 for r in lay.shards + [lay.common] for s in r]})
     return {"architecture": plan.spec.architecture, "model_type": plan.spec.model_type,
-            "source_format": plan.source_format, "target": opts.target, "tp": opts.tp, "profile": plan.profile.name,
+            "source_format": plan.source_format, **({"quantize": opts.quantize} if opts.quantize else {}),
+            "target": opts.target, "tp": opts.tp, "profile": plan.profile.name,
             "parallel": plan.parallel_layout().as_dict(), "sets": sets,
             "dropped": plan.dropped, "total_bytes": sum(s["bytes"] for st in sets for s in st["shards"])}

@@ -12,7 +12,13 @@ from typing import Any
 
 from ..errors import ConfigError, UnsupportedError, json_kind
 
-SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                   "KimiK25ForConditionalGeneration", "GlmMoeDsaForCausalLM")
+# The sparse-MLA (DSA) families: an Indexer in the attention (atom-layout-next.md §1, §2).
+DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# Multimodal configs whose text model sits in `text_config` and whose text tensors (checkpoint and ATOM
+# parameter names alike) carry a prefix (atom-layout-next.md §3.1-§3.2: ATOM reads the text config).
+TEXT_PREFIX = {"KimiK25ForConditionalGeneration": "language_model."}
 
 
 @dataclass(frozen=True)
@@ -48,16 +54,33 @@ class ModelSpec:
     Ih: int = 0  # index_n_heads
     Dh: int = 0  # index_head_dim
     Kt: int = 0  # index_topk
+    # GLM-5.2 IndexShare (atom-layout-next.md §2.1-§2.2): the per-layer schedule ATOM obeys ("full" layers
+    # carry an indexer, "shared" ones none; None: every layer has one).
+    indexer_types: tuple[str, ...] | None = None
+    # The text model's name prefix, the same in the checkpoint and in ATOM's parameter names
+    # ("language_model." for Kimi-K2.5, atom-layout-next.md §3.2); "" for a plain causal LM.
+    text_prefix: str = ""
 
     @property
     def has_indexer(self) -> bool:
         """Sparse (DSA) attention: ATOM keys it on `hasattr(config, "index_topk")` (atom-layout-next.md §0)."""
         return self.Kt > 0
 
+    def has_indexer_at(self, i: int) -> bool:
+        """Whether ATOM builds an Indexer for decoder layer (or MTP layer) i: every layer of a DSA model
+        but a "shared" one of `indexer_types` (`_indexer_weights_shared`, deepseek_v2.py 402-409); an MTP
+        layer (i >= num_hidden_layers) always has its own (atom-layout-next.md §1.6, §2.2)."""
+        if not self.has_indexer:
+            return False
+        if i >= self.n_layers or self.indexer_types is None:
+            return True
+        return self.indexer_types[i] != "shared"
+
     @property
     def has_correction_bias(self) -> bool:
         # transformers' DeepseekV3 always has it; ATOM creates it for noaux_tc (spec §2.4).
-        return self.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM") or self.topk_method == "noaux_tc"
+        return self.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                                     "KimiK25ForConditionalGeneration") or self.topk_method == "noaux_tc"
 
     def is_moe_layer(self, i: int) -> bool:
         """spec §2.3: MoE when experts exist, i >= first_k_dense_replace and i % moe_layer_freq == 0."""
@@ -79,20 +102,27 @@ class ModelSpec:
         if arch not in SUPPORTED_ARCHS:
             raise UnsupportedError(
                 f"{where}: architecture {arch!r} is not supported; atom-convert converts "
-                f"{', '.join(SUPPORTED_ARCHS)} (DeepSeek V2/V2-Lite/V3/R1/V3.2, Kimi-K2)"
+                f"{', '.join(SUPPORTED_ARCHS)} (DeepSeek V2/V2-Lite/V3/R1/V3.2, Kimi-K2, Kimi-K2.5, GLM-5)"
             )
         model_type = cfg.get("model_type", "")
         ok_types = {"DeepseekV2ForCausalLM": ("deepseek_v2",), "DeepseekV3ForCausalLM": ("deepseek_v3", "kimi_k2"),
-                    "DeepseekV32ForCausalLM": ("deepseek_v32",)}
+                    "DeepseekV32ForCausalLM": ("deepseek_v32",), "KimiK25ForConditionalGeneration": ("kimi_k25",),
+                    "GlmMoeDsaForCausalLM": ("glm_moe_dsa",)}
         if model_type not in ok_types[arch]:
             raise UnsupportedError(
                 f"{where}: model_type {model_type!r} with architecture {arch} is not supported; "
                 f"expected one of {ok_types[arch]}"
             )
+        text_prefix = TEXT_PREFIX.get(arch, "")
+        if text_prefix:
+            cfg = _text_config(cfg, where, arch)
+            where = f"{where} text_config"
         r = _Reader(cfg, where, arch)
         # ATOM reads deepseek_v32 through transformers' DeepseekV3Config (atom-layout-next.md §0): V3's defaults.
-        v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
-        v32 = arch == "DeepseekV32ForCausalLM"
+        # glm_moe_dsa too (atom/config.py 603-611).
+        v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+                      "GlmMoeDsaForCausalLM")
+        v32 = arch in DSA_ARCHS  # an indexer (DeepSeek-V3.2, GLM-5)
         spec = cls(
             architecture=arch,
             model_type=model_type,
@@ -124,6 +154,8 @@ class ModelSpec:
             Ih=r.int("index_n_heads") if v32 else 0,
             Dh=r.int("index_head_dim") if v32 else 0,
             Kt=r.int("index_topk") if v32 else 0,
+            text_prefix=text_prefix,
+            indexer_types=_indexer_types(cfg, where, r) if v32 else None,
         )
         if r.problems:
             raise ConfigError(r.problems)
@@ -138,6 +170,63 @@ class ModelSpec:
         if spec.tie_word_embeddings:
             raise UnsupportedError(f"{where}: tie_word_embeddings=true; DeepSeek/Kimi (and ATOM) never tie them")
         return spec
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config.json settings: `text_config` (with the top-level quantization_config) for a
+    multimodal checkpoint (Kimi-K2.5), else `cfg` itself. For transformers' DeepSeek classes (check/)."""
+    archs = cfg.get("architectures") or [None]
+    return _text_config(cfg, "config.json", archs[0]) if archs[0] in TEXT_PREFIX else cfg
+
+
+def _text_config(cfg: dict[str, Any], where: str, arch: str) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint, as ATOM reads it (atom/config.py 645-669 at
+    ffdf3bb5d, atom-layout-next.md §3.1): `text_config` through DeepseekV3Config, the top-level
+    quantization_config copied in when the text config has none."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config is {json_kind(text)}, expected the text model's settings (an object "
+                          f"with model_type \"kimi_k2\", hidden_size, ...): {arch} keeps its language model there")
+    ttype = text.get("model_type", "deepseek_v3")
+    if ttype not in ("kimi_k2", "deepseek_v3"):
+        raise UnsupportedError(f"{where}: text_config.model_type {ttype!r}; {arch} is converted with a Kimi-K2 "
+                               f"(DeepSeek-V3) text model, model_type \"kimi_k2\" or \"deepseek_v3\"")
+    if "quantization_config" in cfg and "quantization_config" not in text:
+        text = dict(text, quantization_config=cfg["quantization_config"])
+    return text
+
+
+def _indexer_types(cfg: dict[str, Any], where: str, r: "_Reader") -> tuple[str, ...] | None:
+    """GLM-5.2 IndexShare's per-layer indexer schedule (atom-layout-next.md §2.1-§2.2, §6). ATOM builds an
+    Indexer on a layer unless `indexer_types` says "shared" there, and reads only what config.json says:
+    with `index_topk_freq > 1` (or an `index_topk_pattern`) but no `indexer_types` it builds one on every
+    layer while transformers' schedule (one layer off ATOM's own offset formula) saves none on the
+    skipped layers, so such a config is refused rather than guessed."""
+    types = cfg.get("indexer_types")
+    n = cfg.get("num_hidden_layers")
+    if types is None:
+        freq, pattern = cfg.get("index_topk_freq"), cfg.get("index_topk_pattern")
+        shares = (isinstance(freq, (int, float)) and not isinstance(freq, bool) and freq > 1) or pattern is not None
+        if shares:
+            raise UnsupportedError(
+                f"{where}: IndexShare ({'index_topk_freq ' + repr(freq) if pattern is None else 'index_topk_pattern'}) "
+                f"without indexer_types: ATOM would build an indexer on every layer (deepseek_v2.py 357-409) while "
+                f"transformers' schedule leaves some layers without one, one layer off ATOM's own skip formula "
+                f"(atom-layout-next.md §2.2). Add the explicit per-layer \"indexer_types\" list (\"full\"/\"shared\", "
+                f"one per decoder layer) that the checkpoint was saved with")
+        return None
+    if not (isinstance(types, list) and all(t in ("full", "shared") for t in types)):
+        r.problems.append(f"{where}: indexer_types must be a list of \"full\" or \"shared\" (one per decoder "
+                          f"layer), got {json_kind(types)} {str(types)[:120]}")
+        return None
+    if isinstance(n, int) and len(types) != n:
+        r.problems.append(f"{where}: indexer_types has {len(types)} entries but num_hidden_layers is {n}; "
+                          f"it needs one \"full\"/\"shared\" entry per decoder layer")
+        return None
+    if types and types[0] == "shared":
+        r.problems.append(f"{where}: indexer_types[0] is \"shared\", but a shared layer reuses the top-k of "
+                          f"an earlier \"full\" one (atom-layout-next.md §2.2): layer 0 must be \"full\"")
+    return tuple(types)
 
 
 _REQUIRED = object()

@@ -66,6 +66,8 @@ class ConversionOptions:
     mla_bmm: str = "fp8"
     profile: str = "atom"
     shard_size: int = DEFAULT_SHARD_SIZE
+    # Re-encode while converting (atom-layout-next.md §4.4-4.5): None (as stored), "mxfp4" (gfx950) or "fp8".
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -85,6 +87,15 @@ class ConversionOptions:
         self.parallel().validate()  # tp >= 1, shared_experts and its conditions (spec atom-parallel.md §3.2)
         if self.mla_bmm not in ("fp8", "mxfp4"):
             raise BadInputError(f"--mla-bmm must be fp8 or mxfp4, got {self.mla_bmm!r}")
+        if self.quantize is not None:
+            from .codecs.requant import QUANTIZE_CHOICES, QUANTIZE_TARGETS
+
+            if self.quantize not in QUANTIZE_CHOICES:
+                raise BadInputError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+            if self.target not in QUANTIZE_TARGETS[self.quantize]:
+                raise UnsupportedError(
+                    f"--quantize {self.quantize} --target {self.target}: ATOM serves MXFP4 MoE on gfx950 only (on "
+                    f"gfx942 it forces its triton path, atom-layout-next.md §4.3); use --quantize fp8 for {self.target}")
 
     @classmethod
     def build(cls, options: "ConversionOptions | None" = None, **given: Any) -> "ConversionOptions":
@@ -103,14 +114,19 @@ class ConversionOptions:
         return dataclasses.replace(self, **changes)
 
     def layout(self) -> dict[str, Any]:
-        """The options that decide the converted bytes (the shard size only splits files)."""
-        return {k: getattr(self, k) for k in LAYOUT_FIELDS}
+        """The options that decide the converted bytes (the shard size only splits files); `quantize`
+        only when set, so that the content keys of conversions without it stay as they were."""
+        out = {k: getattr(self, k) for k in LAYOUT_FIELDS}
+        if self.quantize is not None:
+            out["quantize"] = self.quantize
+        return out
 
     def fingerprint_parts(self) -> dict[str, str]:
         """The options' part of the options fingerprint (everything that changes the written files)."""
         return {"target": self.target, "tp": str(self.tp), "shard_size": str(self.shard_size), "mtp": str(self.mtp),
                 "mla_bmm": self.mla_bmm, "profile": self.profile, "ep": str(self.ep),
-                "dp_attention": str(self.dp_attention), "shared_experts": self.shared_experts, "mori": str(self.mori)}
+                "dp_attention": str(self.dp_attention), "shared_experts": self.shared_experts, "mori": str(self.mori),
+                **({"quantize": self.quantize} if self.quantize is not None else {})}
 
     def parallel(self) -> Parallel:
         return Parallel(tp=self.tp, ep=self.ep, dp_attention=self.dp_attention, shared_experts=self.shared_experts,
@@ -130,4 +146,6 @@ class ConversionOptions:
             cmd.append("--no-mtp")
         if self.mla_bmm != "fp8":
             cmd.append(f"--mla-bmm {self.mla_bmm}")
+        if self.quantize is not None:
+            cmd.append(f"--quantize {self.quantize}")
         return " ".join(cmd)

@@ -102,6 +102,8 @@ class ConversionPlan:
     dropped: dict[str, str]  # source name -> reason
     layout_flags: dict[str, Any]
     parallel: Parallel = field(default_factory=Parallel)
+    # --quantize: the requantisation the conversion applies (codecs/requant.RequantFormat.record), else None.
+    requant: dict[str, Any] | None = None
 
     def is_common(self, o: OutTensor) -> bool:
         """Written once, in a common file every rank maps (spec atom-parallel.md §3.1)."""

@@ -19,6 +19,17 @@ from ..layout.arch.deepseek import ATOM_FLAG_DEFAULTS
 
 FP8_TARGET = {torch.float8_e4m3fnuz: "gfx942", torch.float8_e4m3fn: "gfx950"}
 
+# Plain module state that ATOM's own weight loaders leave on a module once its checkpoint tensors are in,
+# and that its process_weights_after_loading or forward reads: a restore bypasses those loaders, so it
+# sets the same values itself on every module of the class whose Parameters it filled.
+# class name -> {attribute: its value after ATOM's complete load}.
+LOADED_STATE: dict[str, dict[str, Any]] = {
+    # The fused indexer wk_weights_proj (DeepSeek-V3.2, GLM-5): its weight_loader sets _wk_loaded when wk
+    # is in (a bf16 one copied, an fp8 one dequantised with its scale; the pending copies cleared to None,
+    # as they are at construction): atom/models/deepseek_v2.py 1993, 2012-2055 at ffdf3bb5d.
+    "IndexerWkWeightsProjLinear": {"_wk_loaded": True},
+}
+
 
 @contextlib.contextmanager
 def meta_parameters() -> Iterator[None]:
@@ -38,6 +49,19 @@ def meta_parameters() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def mark_loaded(model: nn.Module, filled: frozenset[str] | set[str]) -> int:
+    """Set `LOADED_STATE` on every module of those classes with a Parameter among `filled` (live names,
+    `LoadStats.names`). Returns how many modules were marked."""
+    n = 0
+    for name, module in model.named_modules():
+        state = LOADED_STATE.get(type(module).__name__)
+        if state and any((f"{name}.{p}" if name else p) in filled for p in module._parameters):
+            for attr, value in state.items():
+                setattr(module, attr, value)
+            n += 1
+    return n
 
 
 def finalize_moe(model: nn.Module) -> int:
@@ -156,8 +180,9 @@ def free_transients(device: torch.device) -> None:
 
 def restore(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device: torch.device,
             parallel: dict[str, Any], profile: str = "atom", moe_backend: str | None = None) -> tuple[LoadStats, int]:
-    """Load one rank's converted tensors into a model built under `meta_parameters`, then finalize
-    its fused MoEs; never runs any process_weights_after_loading (§10 item 10). `parallel`: the live
+    """Load one rank's converted tensors into a model built under `meta_parameters`, set the module
+    state ATOM's own loaders would have left (`LOADED_STATE`), then finalize its fused MoEs; never
+    runs any process_weights_after_loading (§10 item 10). `parallel`: the live
     layout (`live_parallel`), compared with the manifest's; the target and the layout flags are read
     from this process (`live_target`, `live_flags`); `moe_backend` from the runtime's config."""
     view = rank_view(path, rank)
@@ -166,6 +191,7 @@ def restore(model: nn.Module, path: str | os.PathLike[str], *, rank: int, device
         flags["moe_backend"] = moe_backend
     stats = load_into(model, path, rank=rank, device=device, profile=profile, target=live_target(model),
                       flags=flags, parallel=parallel)
+    mark_loaded(model, stats.names)
     n = finalize_moe(model)
     free_transients(device)
     return stats, n

@@ -175,6 +175,10 @@ class _Binding:
     attr: str
     is_param: bool
     live_name: str
+    # A tensor carried unchanged from the checkpoint (Kimi-K2.5's vision tower under vllm-plugin,
+    # atom-layout-next.md §3.4) into a live Parameter of another shape: handed whole to the
+    # Parameter's own `weight_loader` (vLLM's TP cut), as the plugin's loader does.
+    via_loader: bool = False
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -222,6 +226,11 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
         # A Parameter whose shape ATOM's PWAL changes is registered with its pre-PWAL shape; the files
         # hold the post-PWAL one (e8m0 scales padded or flattened, spec atom-layout.md §3.3.1, §4).
         shapes = {ref.shape, *registered_shapes(ref.shape, ref.layout)}
+        if (tuple(p.shape) not in shapes and p.dtype == ref.dtype and ref.layout.get("carried")
+                and callable(getattr(p, "weight_loader", None))):
+            filled.add((id(module), attr))
+            bindings.append(_Binding(ref, module, attr, is_param=True, live_name=live_name, via_loader=True))
+            continue
         if tuple(p.shape) not in shapes or p.dtype != ref.dtype:
             before = f" (or {' / '.join(str(list(x)) for x in sorted(shapes - {ref.shape}))} before ATOM's " \
                      "post-load step)" if len(shapes) > 1 else ""
@@ -305,7 +314,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
     # keeps its object and receives the bytes; anything else gets a fresh tensor.
     slots: dict[str, TensorSlot] = {}
     for b in bindings:
-        cur = b.module._parameters.get(b.attr) if b.is_param else None
+        cur = b.module._parameters.get(b.attr) if b.is_param and not b.via_loader else None
         reuse = (cur is not None and cur.device == dev and cur.is_contiguous() and dev.type != "cpu"
                  and tuple(cur.shape) == b.ref.shape and cur.dtype == b.ref.dtype)
         slots[b.ref.name] = TensorSlot(b.ref.name, b.ref.dtype, b.ref.shape, cur.data if reuse else None,
@@ -329,6 +338,12 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         nbytes += t.numel() * t.element_size()
         if not b.is_param:
             setattr(b.module, b.attr, t)  # W_K/W_V and their 0-dim scales: plain tensors (§2.7)
+            continue
+        if b.via_loader:
+            live_p = b.module._parameters[b.attr]
+            if live_p.device.type == "meta":
+                live_p.data = torch.empty_like(live_p, device=dev)
+            live_p.weight_loader(live_p, t.to(live_p.device))  # type: ignore[attr-defined]
             continue
         cur = b.module._parameters[b.attr]
         if slots[b.ref.name].given is not None and cur is not None:

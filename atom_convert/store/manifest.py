@@ -257,6 +257,10 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
             "n_routed_experts": spec.E,
             "n_shared_experts": spec.S,
             "moe_layers": mplan.moe_layers,
+            # the layers that carry the sparse-attention indexer (DeepSeek-V3.2, GLM-5; GLM-5.2's
+            # "shared" layers carry none: atom-layout-next.md §2.2, §6)
+            **({"indexer_layers": [i for i in range(spec.n_layers + spec.n_mtp) if spec.has_indexer_at(i)]}
+               if spec.has_indexer else {}),
         },
         "tensors": tensors,
         "aliases": mplan.aliases,

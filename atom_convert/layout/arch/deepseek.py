@@ -50,8 +50,11 @@ _MLA_FLAG_DEFAULTS: dict[str, int] = {
 # DeepSeek-V3.2's indexer: 1 fuses wk and weights_proj into one bf16 wk_weights_proj, 0 keeps them
 # apart (atom-layout-next.md §1.8, §6); recorded by the V3.2 loader only (deepseek_v32.py).
 INDEXER_FLAG_DEFAULTS: dict[str, int] = {"ATOM_ENABLE_DS_INDEXER_QK_ROPE_CACHE_FUSION": 1}
+# GLM-5 (glm_moe_dsa): 1 lets the GLM indexer take the same fused wk_weights_proj, and 1 holds the whole
+# vocabulary embedding on every rank (atom-layout-next.md §2.2, §6); recorded by glm_moe_dsa.py.
+GLM_FLAG_DEFAULTS: dict[str, int] = {"ATOM_ENABLE_GLM_FUSED_INDEXER": 1, "ATOM_REPLICATE_VOCAB_EMBED": 1}
 # Every layout flag's ATOM default (what a runtime's unset flag counts as, runtime/common.live_flags).
-ATOM_FLAG_DEFAULTS: dict[str, int] = {**_MLA_FLAG_DEFAULTS, **INDEXER_FLAG_DEFAULTS}
+ATOM_FLAG_DEFAULTS: dict[str, int] = {**_MLA_FLAG_DEFAULTS, **INDEXER_FLAG_DEFAULTS, **GLM_FLAG_DEFAULTS}
 # The manifest's flags: the ATOM_* values plus the config's MoE backend. Expert parallel and the
 # tensor-parallel size are facts of the manifest's `parallel` record, stated once there.
 LAYOUT_FLAGS: dict[str, Any] = {**_MLA_FLAG_DEFAULTS, "moe_backend": "standard"}
@@ -139,7 +142,7 @@ def _plan_mtp(ctx: _Ctx, j: int) -> ModelPlan:
     plan = ModelPlan(groups=[])
     outs: list[OutTensor] = []
     outs += _plain(ctx, f"{src}embed_tokens.weight", "model.embed_tokens.weight",
-                   (s.vocab, s.H), vocab=True, optional=True)
+                   (s.vocab, s.H), vocab=not ctx.embed_replicated, optional=True)
     for name in MTP_VECTORS:
         outs += _plain(ctx, src + name, src + name, (s.H,))
     # eh_proj: a replicated linear (HEAD). It is bf16 unless the index has a key ending in
@@ -178,13 +181,17 @@ def _first_absent(have: set[int]) -> int:
     return i
 
 
-def _check_counts(src: SourceCheckpoint, spec: ModelSpec) -> None:
+def _check_counts(src: SourceCheckpoint, spec: ModelSpec, root: str = "") -> None:
     """num_hidden_layers and n_routed_experts against what the files hold, before any
     per-tensor check: a wrong count is one line naming the key, not one line per missing
     tensor (and a count like 1e9 is refused at once instead of being iterated)."""
     where = src.path / "config.json"
     layers, experts = set(), set()
     for name in src.names():
+        if root:  # the text model's tensors only (Kimi-K2.5: language_model.*); others are the loader's extras
+            if not name.startswith(root):
+                continue
+            name = name[len(root):]
         if m := _LAYER_RE.match(name):
             layers.add(int(m.group(1)))
         if m := _EXPERT_RE.match(name):
@@ -194,7 +201,7 @@ def _check_counts(src: SourceCheckpoint, spec: ModelSpec) -> None:
         first = _first_absent(have)
         raise ConfigError(f"{where}: num_hidden_layers is {spec.n_layers}, but the checkpoint holds no tensor of "
                           f"layer {first} ({spec.n_layers - len(have)} of the {spec.n_layers} layers have none: "
-                          f"model.layers.{first}.* is absent)",
+                          f"{root}model.layers.{first}.* is absent)",
                           hint="Fix num_hidden_layers, or download the shards that hold the missing layers.")
     have_e = {e for e in experts if e < spec.E}
     if spec.E and len(have_e) < spec.E and spec.E > max(experts, default=-1) + 1:
@@ -218,15 +225,36 @@ class DeepseekLoader(ArchLoader):
     attn_extras: Any = None
     extra_flags: dict[str, Any] = {}
 
+    def roots(self, spec: ModelSpec) -> tuple[str, str]:
+        """(source prefix, output prefix) of the text model's names: "" for a causal LM; Kimi-K2.5 keeps
+        `language_model.` on both sides (atom-layout-next.md §3.2)."""
+        return spec.text_prefix, spec.text_prefix
+
+    def check_names(self, src: SourceCheckpoint, spec: ModelSpec) -> None:
+        """Refuse a checkpoint whose names are another tool's spelling, before layers are counted."""
+
+    def plan_extras(self, ctx: _Ctx, main: ModelPlan, dropped: dict[str, str]) -> None:
+        """Tensors outside the text model (Kimi-K2.5's vision tower): add groups to `main`, mark their
+        sources consumed, or record them in `dropped` with the reason. Called before unmapped names are
+        reported."""
+
     def check_source(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, target: str,
                      par: Parallel, profile: NamingProfile) -> None:
         """Refuse a source this family cannot convert, before any tensor is planned."""
+
+    def replicated_embedding(self, spec: ModelSpec) -> bool:
+        """Whether ATOM holds the whole vocabulary embedding on every rank (main model and MTP drafter)
+        instead of a vocab-parallel slice: DeepSeek/Kimi never (spec §2.1), GLM by default
+        (glm_moe_dsa.py, atom-layout-next.md §2.2). lm_head stays vocab-parallel either way."""
+        return False
 
     def plan(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, *, target: str, tp: int,
              profile: NamingProfile, mtp: bool, mla_bmm: str = "fp8", parallel: Parallel | None = None) -> ConversionPlan:
         if tp < 1:
             raise BadInputError(f"tp must be >= 1, got {tp}")
-        _check_counts(src, spec)
+        sr, orr = self.roots(spec)
+        self.check_names(src, spec)
+        _check_counts(src, spec, sr)
         par = parallel or Parallel(tp=tp)
         if par.tp != tp:
             raise BadInputError(f"internal: tp={tp} but the parallel layout says tp={par.tp}")
@@ -249,14 +277,15 @@ class DeepseekLoader(ArchLoader):
         self.check_source(src, spec, fmt, target, par, profile)
         ctx = _Ctx(src, spec, fmt, target, par.attn_tp, profile, problems=[], consumed=set(), mla_bmm=mla_bmm, par=par,
                    attn_extras=self.attn_extras)
+        ctx.embed_replicated = embed_replicated = self.replicated_embedding(spec)
         main = ModelPlan(groups=[])
-        main.groups.append(Group("embed", _plain(ctx, "model.embed_tokens.weight", ("model.embed_tokens.weight"),
-                                                 (spec.vocab, spec.H), vocab=True)))
+        main.groups.append(Group("embed", _plain(ctx, f"{sr}model.embed_tokens.weight", f"{orr}model.embed_tokens.weight",
+                                                 (spec.vocab, spec.H), vocab=not embed_replicated)))
         for i in range(spec.n_layers):
             p = f"model.layers.{i}."
-            main.groups.append(Group(f"layer.{i}", _plan_layer(ctx, i, p, p, main)))
-        main.groups.append(Group("final", _plain(ctx, "model.norm.weight", ("model.norm.weight"), (spec.H,))
-                                 + _plain(ctx, "lm_head.weight", ("lm_head.weight"),
+            main.groups.append(Group(f"layer.{i}", _plan_layer(ctx, i, sr + p, orr + p, main)))
+        main.groups.append(Group("final", _plain(ctx, f"{sr}model.norm.weight", f"{orr}model.norm.weight", (spec.H,))
+                                 + _plain(ctx, f"{sr}lm_head.weight", f"{orr}lm_head.weight",
                                           (spec.vocab, spec.H), vocab=True)))
         mtp_layers = range(spec.n_layers, spec.n_layers + spec.n_mtp)
         mtp_plan = None
@@ -268,8 +297,9 @@ class DeepseekLoader(ArchLoader):
             if mtp and present:
                 mtp_plan = _plan_mtp(ctx, spec.n_layers)
         dropped: dict[str, str] = {}
+        self.plan_extras(ctx, main, dropped)
         for name in src.names():
-            if name in ctx.consumed:
+            if name in ctx.consumed or name in dropped:
                 continue
             m = _LAYER_RE.match(name)
             if m and int(m.group(1)) in mtp_layers and not mtp:

@@ -123,6 +123,8 @@ def _plan_experts(ctx: _Ctx, src_prefix: str, out_prefix: str, fused_shared: boo
         w = _out(f"{base}{which}_weight", specs[f"{which}_weight"], sources,
                  partial(_experts, ctx, mods, codec, which, key=key, slots=slots), split, rank_sources)
         w.chunk_bytes = w.nbytes // max(1, w.shape[0])  # one expert at a time
+        if hasattr(codec, "scratch_bytes"):  # --quantize: the exact fp32 values and quantiser temporaries
+            w.chunk_bytes = max(w.chunk_bytes, codec.scratch_bytes(il, s.H))
         w.units = n_local
         w.unit_sources = partial(_unit_sources, mods, codec, slots)
         outs.append(w)

@@ -115,6 +115,8 @@ class _Ctx:
     # A family's extra attention modules, planned after the MLA operands of every decoder layer and
     # MTP block: attn_extras(ctx, src_prefix, out_prefix) (DeepSeek-V3.2's indexer, deepseek_v32.py).
     attn_extras: Callable[["_Ctx", str, str], list[OutTensor]] | None = None
+    # The embeddings (main and MTP drafter) whole on every rank, not vocab-parallel (GLM, atom-layout-next.md §2.2).
+    embed_replicated: bool = False
 
     def split(self, kind: str, dim: int = 0) -> Split:
         """A non-expert tensor cut in `tp` pieces (replicated when tp is 1)."""

@@ -36,7 +36,7 @@ from ..model import ModelSpec
 from ..parallel import Parallel
 from ..plan import OutTensor
 from ..profile import NamingProfile
-from .deepseek import INDEXER_FLAG_DEFAULTS, DeepseekLoader
+from .deepseek import GLM_FLAG_DEFAULTS, INDEXER_FLAG_DEFAULTS, DeepseekLoader
 from .deepseek_rules import BF16, LinearRule, Par, _check_float, _Ctx, _plan_linear
 
 F32 = torch.float32
@@ -51,13 +51,17 @@ WEIGHTS_PROJ = LinearRule(INDEXER + "weights_proj", (INDEXER + "weights_proj",),
                           lambda s: ((s.Ih, s.H),))
 
 _INDEXER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.indexer\.")
+_FORMAT_WORDS = {"bf16": "bf16", "fp8-block": "DeepSeek fp8 block", "quark-mxfp4": "Quark MXFP4 (MoE-only)"}
+_LAYER_OF = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def fuses_wk_weights_proj(spec: ModelSpec) -> bool:
     """ATOM's `_can_fuse_indexer_wk_weights_proj` and the Indexer's own kernel condition at the
     default flags, for the formats converted here (deepseek_v2.py 284-347, 2179-2190): the flag is 1,
     index_head_dim is 128 and qk_rope_head_dim is 64 (= index_head_dim / 2); a bf16 or fp8 wk."""
-    return INDEXER_FLAG_DEFAULTS["ATOM_ENABLE_DS_INDEXER_QK_ROPE_CACHE_FUSION"] == 1 and spec.Dh == 128 and spec.R == 64
+    glm_ok = spec.model_type != "glm_moe_dsa" or GLM_FLAG_DEFAULTS["ATOM_ENABLE_GLM_FUSED_INDEXER"] == 1
+    return (INDEXER_FLAG_DEFAULTS["ATOM_ENABLE_DS_INDEXER_QK_ROPE_CACHE_FUSION"] == 1 and glm_ok and spec.Dh == 128
+            and spec.R == 64)
 
 
 def _plain_fp32(ctx: _Ctx, src_name: str, out_name: str, length: int) -> list[OutTensor]:
@@ -157,11 +161,24 @@ def plan_indexer(ctx: _Ctx, sp: str, op: str) -> list[OutTensor]:
     return outs
 
 
+def _layers_with_indexer_tensors(src: SourceCheckpoint) -> set[int]:
+    return {int(m.group(1)) for name in src.names() if (m := _INDEXER_RE.match(name))}
+
+
 def _missing_indexers(src: SourceCheckpoint, spec: ModelSpec) -> list[int]:
-    """Decoder layers that hold no indexer tensor at all (a missing MTP one is reported per tensor
-    when the MTP layer is converted)."""
-    with_indexer = {int(m.group(1)) for name in src.names() if (m := _INDEXER_RE.match(name))}
-    return sorted(i for i in range(spec.n_layers) if i not in with_indexer)
+    """Decoder layers ATOM builds an indexer for that hold no indexer tensor at all (a missing MTP one
+    is reported per tensor when the MTP layer is converted)."""
+    have = _layers_with_indexer_tensors(src)
+    return sorted(i for i in range(spec.n_layers) if spec.has_indexer_at(i) and i not in have)
+
+
+def _stray_indexers(src: SourceCheckpoint, spec: ModelSpec) -> list[int]:
+    """Decoder layers that hold indexer tensors although ATOM builds no indexer there (IndexShare)."""
+    return sorted(i for i in _layers_with_indexer_tensors(src) if i < spec.n_layers and not spec.has_indexer_at(i))
+
+
+def _layers(ids: list[int]) -> str:
+    return f"{', '.join(map(str, ids[:8]))}{' ...' if len(ids) > 8 else ''}"
 
 
 class DeepseekV32Loader(DeepseekLoader):
@@ -170,8 +187,14 @@ class DeepseekV32Loader(DeepseekLoader):
 
     keys = (("DeepseekV32ForCausalLM", "deepseek_v32"),)
     extra_flags = dict(INDEXER_FLAG_DEFAULTS)
+    family = "DeepSeek-V3.2"  # in messages
+    formats: tuple[str, ...] = ("bf16", "fp8-block")
 
     def attn_extras(self, ctx: _Ctx, src_prefix: str, out_prefix: str) -> list[OutTensor]:
+        # the layer index as ATOM reads it off the module prefix (`_extract_layer_index_from_prefix`)
+        m = _LAYER_OF.search(src_prefix)
+        if m is not None and not ctx.spec.has_indexer_at(int(m.group(1))):
+            return []  # an IndexShare "shared" layer: no Indexer, no parameters (atom-layout-next.md §2.2)
         return plan_indexer(ctx, src_prefix, out_prefix)
 
     def check_source(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, target: str,
@@ -179,24 +202,34 @@ class DeepseekV32Loader(DeepseekLoader):
         where = src.path / "config.json"
         if profile.name != "atom":
             raise UnsupportedError(
-                f"{where}: DeepSeek-V3.2 with --profile {profile.name}: ATOM's plugin modes build V3.2 through "
+                f"{where}: {self.family} with --profile {profile.name}: ATOM's plugin modes build {self.family} "
+                f"through "
                 f"their own sparse-MLA layers (atom/plugin/vllm/attention/layer_sparse_mla.py), whose module tree "
                 f"atom-convert does not model yet. Convert with --profile atom (ATOM's native server)")
-        if fmt.name not in ("bf16", "fp8-block"):
+        if fmt.name not in self.formats:
             raise UnsupportedError(
-                f"{where}: a {fmt.name} DeepSeek-V3.2 checkpoint: atom-convert converts DeepSeek-V3.2 from its bf16 "
-                f"or DeepSeek fp8 block release only (the indexer's layout under other formats is not modelled, "
-                f"atom-layout-next.md §1.5). Convert the fp8 release, or a bf16 copy")
+                f"{where}: a {fmt.name} {self.family} checkpoint: atom-convert converts {self.family} from its "
+                f"{' or '.join(_FORMAT_WORDS[f] for f in self.formats)} release only (the indexer's layout under "
+                f"other formats is not modelled, atom-layout-next.md §1.5). Convert the fp8 release, or a bf16 copy")
         if spec.Q is None:
-            raise UnsupportedError(f"{where}: q_lora_rank is missing; DeepSeek-V3.2's indexer projects the q_lora "
+            raise UnsupportedError(f"{where}: q_lora_rank is missing; {self.family}'s indexer projects the q_lora "
                                    f"latent (wq_b [index_n_heads·index_head_dim, q_lora_rank]), so ATOM needs it")
         if spec.Dh <= spec.R:
             raise UnsupportedError(f"{where}: index_head_dim {spec.Dh} must exceed qk_rope_head_dim {spec.R}: the "
                                    f"indexer ropes the first {spec.R} of its head dims")
         missing = _missing_indexers(src, spec)
         if missing:
+            which = ("on every layer" if spec.indexer_types is None else
+                     "on every layer that config.json's indexer_types marks \"full\"")
             raise UnsupportedError(
-                f"{src.path}: layer(s) {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''} hold no "
-                f"self_attn.indexer.* tensor; ATOM builds DeepSeek-V3.2's indexer on every layer (MTP included) "
-                f"and needs all five ({', '.join(INDEXER_TENSORS)}, atom-layout-next.md §1.1, §6). Download the "
-                f"complete checkpoint")
+                f"{src.path}: layer(s) {_layers(missing)} hold no self_attn.indexer.* tensor; ATOM builds "
+                f"{self.family}'s indexer {which} (MTP included) and needs all five ({', '.join(INDEXER_TENSORS)}, "
+                f"atom-layout-next.md §1.1, §2.2, §6). Download the complete checkpoint"
+                + ("" if spec.indexer_types is None else ", or fix indexer_types"))
+        stray = _stray_indexers(src, spec)
+        if stray:
+            raise UnsupportedError(
+                f"{src.path}: layer(s) {_layers(stray)} hold self_attn.indexer.* tensors, but config.json's "
+                f"indexer_types marks them \"shared\": ATOM builds no indexer there (IndexShare, "
+                f"atom-layout-next.md §2.2) and would not load them. The config does not match the checkpoint: "
+                f"fix indexer_types (\"full\" for those layers) or use the config.json the checkpoint came with")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import bf16
 from . import fp8_block
+from . import int4_pack
 from . import quark  # noqa: F401  (registration
 from .base import LinearCodec, LinearData, SourceFormat, available_formats, detect_format
 
