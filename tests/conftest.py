@@ -3,10 +3,11 @@ atom_convert/configs/ presets) and their conversions, shared by every test modul
 
 from __future__ import annotations
 
+import shutil
 import signal
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -24,9 +25,28 @@ FORMATS = ("bf16", "fp8")
 TARGETS = ("gfx950", "gfx942")
 
 
+SESSION_DIR = "atom-convert"
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("atom-convert")
+    return tmp_path_factory.mktemp(SESSION_DIR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_dirs_removed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What a test module's own fixtures made under the session's temporary root (tmp_path_factory
+    dirs of module scope: its converted checkpoints) is removed when the module ends, unless one of
+    its tests failed (kept for reading). CI's disk is small; the session's shared fixtures stay."""
+    root = tmp_path_factory.getbasetemp()
+    before = set(root.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    for p in set(root.iterdir()) - before:
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(SESSION_DIR):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
