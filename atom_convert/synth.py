@@ -189,7 +189,7 @@ def build_tiny(preset: str | dict[str, Any], out: str | Path, *, fmt: str = "bf1
 
 
 def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every tensor of a DeepSeek/Kimi HF checkpoint, in file order.
+    """(name, shape, kind) of every tensor of a DeepSeek/Kimi/GLM HF checkpoint, in file order.
     kind: 'linear' (quantizable weight), 'router', 'bias' (fp32), 'plain' (bf16)."""
     s = ModelSpec.from_config(cfg)
     yield "model.embed_tokens.weight", (s.vocab, s.H), "plain"
@@ -214,6 +214,13 @@ def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]
         yield p + "self_attn.kv_a_layernorm.weight", (s.L,), "plain"
         yield p + "self_attn.kv_b_proj.weight", (s.Nh * (s.P + s.V), s.L), "linear"
         yield p + "self_attn.o_proj.weight", (s.H, s.Nh * s.V), "linear"
+        if s.has_indexer_at(i):  # DeepSeek-V3.2 / GLM-5's indexer (atom-layout-next.md §1.1): weights_proj bf16
+            q = p + "self_attn.indexer."
+            yield q + "wq_b.weight", (s.Ih * s.Dh, s.Q), "linear"
+            yield q + "wk.weight", (s.Dh, s.H), "linear"
+            yield q + "k_norm.weight", (s.Dh,), "plain"
+            yield q + "k_norm.bias", (s.Dh,), "plain"
+            yield q + "weights_proj.weight", (s.Ih, s.H), "plain"
         if not s.is_moe_layer(i):
             for n in ("gate_proj", "up_proj"):
                 yield p + f"mlp.{n}.weight", (s.Id, s.H), "linear"

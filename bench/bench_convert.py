@@ -426,14 +426,24 @@ def tree_bytes(path: Path) -> tuple[int, int]:
     return total, files
 
 
-def bench_config(layers: int, experts: int, vocab: int, fmt: str = "fp8") -> dict[str, Any]:
-    """fp8: DeepSeek-V3 width; mxfp4: Kimi-K2 width (64 heads), routed experts in MXFP4 as
-    Quark's kimi_k2 template exports them (Kimi-K2-Thinking-MXFP4)."""
+# DeepSeek-V3.2: V3's config plus the indexer's keys (atom-layout-next.md §1.1), the fp8 release's values
+V32_KEYS = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_head_dim": 128,
+            "index_n_heads": 64, "index_topk": 2048}
+
+
+def bench_config(layers: int, experts: int, vocab: int, fmt: str = "fp8", family: str = "v3") -> dict[str, Any]:
+    """fp8: DeepSeek-V3 width (family "v32": DeepSeek-V3.2, V3 plus the indexer of every layer);
+    mxfp4: Kimi-K2 width (64 heads), routed experts in MXFP4 as Quark's kimi_k2 template exports
+    them (Kimi-K2-Thinking-MXFP4)."""
     from atom_convert.synth import load_preset
 
     cfg = load_preset("deepseek-v3" if fmt == "fp8" else "kimi-k2")
     cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=0,
                n_routed_experts=experts, vocab_size=vocab)
+    if family == "v32":
+        if fmt != "fp8":
+            raise SystemExit("bench_convert: --family v32 is the fp8 release (--format fp8)")
+        cfg.update(V32_KEYS)
     if fmt != "fp8":
         cfg.pop("quantization_config", None)
     cfg["_bench_format"] = fmt
@@ -463,8 +473,8 @@ def expected_source_bytes(cfg: dict[str, Any]) -> int:
     return total
 
 
-def source_dir_name(layers: int, experts: int, vocab: int, seed: int, fmt: str = "fp8") -> str:
-    model = "dsv3" if fmt == "fp8" else f"kimi-{fmt}"
+def source_dir_name(layers: int, experts: int, vocab: int, seed: int, fmt: str = "fp8", family: str = "v3") -> str:
+    model = ("dsv32" if family == "v32" else "dsv3") if fmt == "fp8" else f"kimi-{fmt}"
     return f"src-{model}-L{layers}-E{experts}-V{vocab}-s{seed}"
 
 
@@ -481,8 +491,8 @@ def check_disk(workdir: Path, need_total: int, already: int) -> int:
 
 
 def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    cfg = bench_config(args.layers, args.experts, args.vocab, args.format)
-    src = workdir / source_dir_name(args.layers, args.experts, args.vocab, args.seed, args.format)
+    cfg = bench_config(args.layers, args.experts, args.vocab, args.format, args.family)
+    src = workdir / source_dir_name(args.layers, args.experts, args.vocab, args.seed, args.format, args.family)
     est = expected_source_bytes(cfg)
     marker = src / MARKER
     if args.reuse and marker.is_file():
@@ -694,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8",
                     help="fp8: DeepSeek-V3-width DeepSeek fp8 source (default); mxfp4: Kimi-K2-width Quark MXFP4 "
                          "export (routed experts MXFP4, 384 experts by default)")
+    ap.add_argument("--family", choices=("v3", "v32"), default="v3",
+                    help="fp8 source: DeepSeek-V3 (default) or DeepSeek-V3.2 (V3 plus the sparse-attention indexer)")
     ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default 256; --smoke 8)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 129280; --smoke 16384)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversions (default 1)")

@@ -495,3 +495,20 @@ def test_dry_run_full_width_matches_spec_tp8(tmp_path):
             assert rows[name][:2] == v, (name, rows.get(name))
         idx = sum(b for n, (_, _, b) in rows.items() if n.startswith(f"model.layers.{i}.{IDX}"))
         assert idx == V32_INDEXER_LAYER_BYTES, i
+
+
+def test_synth_random_v32_source_converts(tmp_path):
+    """atom_convert.synth writes a V3.2 checkpoint's indexer too (bench_convert.py --family v32 builds its
+    full-width source with it): every layer's five indexer tensors, wq_b and wk fp8, and it converts."""
+    from atom_convert.synth import build_random, load_preset
+
+    cfg = dict(load_preset("tiny-deepseek-v3"), architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+               hidden_size=256, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, index_head_dim=128,
+               index_n_heads=4, index_topk=8, num_nextn_predict_layers=0)
+    src = build_random(cfg, tmp_path / "src", fmt="fp8", seed=3)
+    atom_convert.convert(src, tmp_path / "out", target="gfx942", tp=2)
+    with atom_convert.open_converted(tmp_path / "out", rank=1) as ck:
+        names = set(ck.manifest["tensors"])
+    for i in range(cfg["num_hidden_layers"]):
+        for t in ("wq_b.weight", "wk_weights_proj.weight", "k_norm.weight", "k_norm.bias"):
+            assert f"model.layers.{i}.{IDX}{t}" in names, (i, t)

@@ -443,7 +443,7 @@ GLM5_FULL: dict[str, Any] = dict(
 
 def header_only_glm(cfg: dict[str, Any], out: Path) -> Path:
     """A GLM-5-FP8 checkpoint whose one shard declares every tensor and holds no data (a sparse file):
-    the inventory of atom_convert.synth.source_inventory plus the indexer of every layer with one."""
+    the inventory of atom_convert.synth.source_inventory (the indexer of every layer with one included)."""
     from atom_convert.layout.codecs.fp8_block import scale_grid
     from atom_convert.layout.model import ModelSpec
     from atom_convert.synth import source_inventory
@@ -460,13 +460,6 @@ def header_only_glm(cfg: dict[str, Any], out: Path) -> Path:
             linear(name, shape)
         else:
             entries.append((name, "F32" if kind in ("router", "bias") else "BF16", shape))
-        m = re.match(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", name)
-        if m and s.has_indexer_at(int(m.group(1))):
-            p = f"model.layers.{m.group(1)}.{IDX}"
-            linear(p + "wq_b.weight", (s.Ih * s.Dh, s.Q))
-            linear(p + "wk.weight", (s.Dh, s.H))
-            entries += [(p + "k_norm.weight", "BF16", (s.Dh,)), (p + "k_norm.bias", "BF16", (s.Dh,)),
-                        (p + "weights_proj.weight", "BF16", (s.Ih, s.H))]
     size = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
