@@ -292,8 +292,9 @@ def _read_chunk(fd: int, dfd: int | None, mv: memoryview, off: int, n: int, path
     """Read bytes [off, off + n) of the file into `mv` (page-aligned, at least n rounded up to a page
     long when `dfd` is given). A chunk the page cache holds (`cached`) is copied from it; any other
     is read with the O_DIRECT descriptor `dfd` straight from the disk into `mv`, bypassing the
-    cache's extra copy (cold, 1.9-2.4 GB/s against 1.2 buffered on the H200 machine:
-    bench/load_paths.py, BENCHMARKS.md). Returns how the bytes came: "direct" or "buffered"."""
+    cache's extra copy (on the H200 machine, whose disk reads 1.8-2.1 GB/s, cold loads ran at 1.9-2.4
+    GB/s direct against 1.2-1.9 buffered: bench/load_paths.py, BENCHMARKS.md; the gain is meant for
+    disks that outrun a buffered copy). Returns how the bytes came: "direct" or "buffered"."""
     got = 0
     if dfd is not None and cached is False and off % PAGE == 0:
         end = n + (-n % PAGE)  # O_DIRECT: file offset, length and address on page boundaries
