@@ -16,6 +16,10 @@ SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV3
                    "KimiK25ForConditionalGeneration", "GlmMoeDsaForCausalLM")
 # The sparse-MLA (DSA) families: an Indexer in the attention (atom-layout-next.md §1, §2).
 DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# The families whose router is DeepSeek-V3's (sigmoid scores with e_score_correction_bias, noaux_tc) and
+# whose config reads V3's defaults (ATOM: atom/config.py 603-611 for glm_moe_dsa too).
+V3_ROUTER_ARCHS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                   "KimiK25ForConditionalGeneration")
 # Multimodal configs whose text model sits in `text_config` and whose text tensors (checkpoint and ATOM
 # parameter names alike) carry a prefix (atom-layout-next.md §3.1-§3.2: ATOM reads the text config).
 TEXT_PREFIX = {"KimiK25ForConditionalGeneration": "language_model."}
@@ -79,8 +83,7 @@ class ModelSpec:
     @property
     def has_correction_bias(self) -> bool:
         # transformers' DeepseekV3 always has it; ATOM creates it for noaux_tc (spec §2.4).
-        return self.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-                                     "KimiK25ForConditionalGeneration") or self.topk_method == "noaux_tc"
+        return self.architecture in V3_ROUTER_ARCHS or self.topk_method == "noaux_tc"
 
     def is_moe_layer(self, i: int) -> bool:
         """spec §2.3: MoE when experts exist, i >= first_k_dense_replace and i % moe_layer_freq == 0."""
@@ -120,8 +123,7 @@ class ModelSpec:
         r = _Reader(cfg, where, arch)
         # ATOM reads deepseek_v32 through transformers' DeepseekV3Config (atom-layout-next.md §0): V3's defaults.
         # glm_moe_dsa too (atom/config.py 603-611).
-        v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
-                      "GlmMoeDsaForCausalLM")
+        v3 = arch in V3_ROUTER_ARCHS
         v32 = arch in DSA_ARCHS  # an indexer (DeepSeek-V3.2, GLM-5)
         spec = cls(
             architecture=arch,
