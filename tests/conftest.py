@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+import torch
 
 import atom_convert
 from atom_convert.synth import build_tiny
@@ -26,6 +27,16 @@ TARGETS = ("gfx950", "gfx942")
 
 
 SESSION_DIR = "atom-convert"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for a module (its conversions run their own workers; tiny
+    tensors are slower split across threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from v32_fixtures import _rand, fp8_block_quant
+from v32_fixtures import _rand, _save, fp8_block_quant
 
 IDX = "self_attn.indexer."
 
@@ -200,24 +200,6 @@ def _mtp_layer(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], gen: torch
     out[j + "shared_head.norm.weight"] = _rand((H,), gen, 0.1, 1.0).to(torch.bfloat16)
     out[j + "shared_head.head.weight"] = _rand((V, H), gen, 0.02).to(torch.bfloat16)
     return out
-
-
-def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
-    names = sorted(tensors)
-    if shards <= 1:
-        save_file({k: tensors[k].contiguous() for k in names}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-        return
-    per = -(-len(names) // shards)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s * per:(s + 1) * per]
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: tensors[k].contiguous() for k in part}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in part})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=1))
 
 
 if __name__ == "__main__":  # python tests/glm_fixtures.py OUT [glm5|glm52] [bf16|fp8]
