@@ -28,26 +28,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "bench"):
+    sys.path.insert(0, str(_p))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_load import drop_cache, pinned_h2d  # noqa: E402
 
 GB = 1e9
 PAGE = 4096
 REG_READ_ONLY = 0x08
-
-
-def drop_cache(files: list[Path]) -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def make_files(work: Path, count: int, nbytes: int) -> list[Path]:
@@ -95,7 +85,9 @@ def disk_read(files: list[Path], threads: int, direct: bool, chunk: int = 16 << 
     return time.perf_counter() - t0
 
 
-def memcpy_pinned(files: list[Path], threads: int, chunk: int = 64 << 20) -> float:
+def memcpy_pinned(files: list[Path], threads: int, chunk: int = 64 << 20, thp: bool = False) -> float:
+    """Seconds to memcpy every byte of `files` from the page cache into pinned buffers (torch's, or one
+    THP mapping registered with CUDA)."""
     maps = []
     for p in files:
         with open(p, "rb") as f:
@@ -103,7 +95,11 @@ def memcpy_pinned(files: list[Path], threads: int, chunk: int = 64 << 20) -> flo
         maps.append(np.frombuffer(mm, dtype=np.uint8))
     jobs = [(a, off) for a in maps for off in range(0, a.size, chunk)]
     it, lock = iter(jobs), threading.Lock()
-    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy() for _ in range(threads)]
+    if thp:
+        pool = thp_pinned(threads * chunk).numpy()
+        bufs = [pool[w * chunk:(w + 1) * chunk] for w in range(threads)]
+    else:
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy() for _ in range(threads)]
 
     def work(w: int) -> None:
         while True:
@@ -122,19 +118,6 @@ def memcpy_pinned(files: list[Path], threads: int, chunk: int = 64 << 20) -> flo
     for t in ts:
         t.join()
     return time.perf_counter() - t0
-
-
-def pinned_h2d(dev: torch.device, nbytes: int = 1 << 30) -> float:
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    best = 1e9
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        d.copy_(h, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / GB
 
 
 def headers(files: list[Path]) -> list[Any]:
@@ -523,36 +506,6 @@ def pool_rates(count: int = 32, chunk: int = 32 << 20) -> dict[str, float]:
     return out
 
 
-def memcpy_thp(files: list[Path], threads: int, chunk: int = 64 << 20) -> float:
-    maps = []
-    for p in files:
-        with open(p, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        maps.append(np.frombuffer(mm, dtype=np.uint8))
-    jobs = [(a, off) for a in maps for off in range(0, a.size, chunk)]
-    it, lock = iter(jobs), threading.Lock()
-    pool = thp_pinned(threads * chunk).numpy()
-    bufs = [pool[w * chunk:(w + 1) * chunk] for w in range(threads)]
-
-    def work(w: int) -> None:
-        while True:
-            with lock:
-                j = next(it, None)
-            if j is None:
-                break
-            a, off = j
-            n = min(chunk, a.size - off)
-            np.copyto(bufs[w][:n], a[off:off + n])
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
 def pread_h2d_ceiling(files: list[Path], threads: int, chunk: int, thp: bool) -> float:
     """preadv of the page cache into pinned buffers (no GPU copy): the read half of the pipeline."""
     jobs = [(p, off) for p in files for off in range(0, p.stat().st_size, chunk)]
@@ -607,6 +560,8 @@ def main() -> int:
                     "process each, warm")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ceilings", action="store_true")
+    ap.add_argument("--pools", action="store_true", help="also time pinning (torch, THP + cudaHostRegister) and a "
+                    "memcpy into a THP pool")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -640,8 +595,6 @@ def main() -> int:
     rep: dict[str, Any] = {"bytes": total, "files": len(files), "gpu": torch.cuda.get_device_name(dev),
                            "cores": os.cpu_count(), "torch": torch.__version__}
     rate = lambda s: round(total / s / GB, 2)  # noqa: E731
-    if a.skip_ceilings:
-        a.cold, a.warm = a.cold, a.warm
     drop_cache(files)
     rep["disk_buffered_8"] = rate(disk_read(files, 8, False))
     drop_cache(files)
@@ -651,6 +604,9 @@ def main() -> int:
     disk_read(files, 8, False)  # warm the cache
     rep["memcpy_pinned_16"] = rate(memcpy_pinned(files, 16))
     rep["pinned_h2d"] = round(pinned_h2d(dev), 2)
+    if a.pools:  # run 3 of BENCHMARKS' thirteenth round
+        rep["pools"] = pool_rates()
+        rep["memcpy_thp_16"] = rate(memcpy_pinned(files, 16, thp=True))
     for t in () if a.skip_ceilings else (8, 16):
         for c in (8, 32):
             rep[f"pread_only_{t}x{c}_torchpin"] = rate(pread_h2d_ceiling(files, t, c << 20, False))
