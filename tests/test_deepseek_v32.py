@@ -422,9 +422,106 @@ def test_runtime_with_unfused_flag_refused(v32_out, monkeypatch):
     assert m.differences(flags=live_flags(m.flags)) == [f"flag {FLAG}: the manifest says 1, declared 0"]
 
 
-def test_plugin_profile_refused(v32_src, work):
-    with pytest.raises(UnsupportedError, match=r"--profile vllm-plugin.*Convert with --profile atom"):
-        atom_convert.convert(v32_src("bf16"), work / "refused-plugin", target="gfx950", profile="vllm-plugin")
+# ------------------------------------------------------------------------------------------------
+# --profile vllm-plugin: ATOM inside vLLM (atom/plugin/vllm at ffdf3bb5d)
+# ------------------------------------------------------------------------------------------------
+# What the plugin holds, read from ATOM's code (independently of atom_convert's profile table):
+# - vLLM's root is ATOMMoEForCausalLM (register.py 27), whose `model` is ATOM's DeepseekV3ForCausalLM for
+#   V3.2 (model_wrapper.py 147, 503-510): one `model.` before every native name;
+# - the attention's `mla_attn` is AttentionForVllmSparseMLA (attention/layer.py 70-77), ATOM's MLAAttention
+#   itself (`impl` returns self, layer_mla.py 320-322): W_K/W_V/their scales on `...self_attn.mla_attn`;
+# - the indexer is the native Indexer at `self_attn.indexer` (deepseek_v2.py 2607-2629): the same tensors,
+#   dtypes, shapes and bytes. The plugin's extra excludes (`*.indexer.weights_proj`,
+#   `*.indexer.wk_weights_proj`, deepseek_v2.py 3426-3432) name modules built with quant_config=None anyway
+#   and leave `indexer.wk` (the fusion test, 321-347) alone: still fused, bf16, with the vestigial scale;
+# - the MTP drafter is ATOM's DeepSeekMTP (model_wrapper.py 150), the native drafter's tree, under `model.`.
+PLUGIN_CASES = [("fp8", "gfx950", 1), ("fp8", "gfx942", 2), ("bf16", "gfx950", 2)]
+
+
+def plugin_name(native: str) -> str:
+    return "model." + native.replace(".mla_attn.impl.", ".mla_attn.")
+
+
+def plugin_expected(exp: TL.Expected) -> TL.Expected:
+    """A native expectation (V32Builder, GlmBuilder) under the plugin's names: same tensors, same bytes."""
+    out = TL.Expected()
+    out.sets = {s: {plugin_name(k): v for k, v in t.items()} for s, t in exp.sets.items()}
+    out.aliases = {s: {plugin_name(a): plugin_name(t) for a, t in al.items()} for s, al in exp.aliases.items()}
+    out.wkvb = {plugin_name(k): v for k, v in exp.wkvb.items()}
+    return out
+
+
+@pytest.fixture(scope="module", params=PLUGIN_CASES, ids=["-".join(map(str, c)) for c in PLUGIN_CASES])
+def plugin_case(request, v32_src, v32_out, aiter) -> Case:
+    fmt, target, tp = request.param
+    src = TL.Source(v32_src(fmt))
+    exp = plugin_expected(V32Builder(src, target, tp, aiter[1].shuffle_weight).build())
+    return Case("tiny-deepseek-v32", fmt, target, tp, src, v32_out(fmt, target, tp, profile="vllm-plugin"), exp)
+
+
+def test_plugin_every_tensor_byte_exact(plugin_case: Case):
+    TL.test_every_tensor_byte_exact(plugin_case)
+    TL.test_manifest_entries_match_files(plugin_case)
+    TL.test_every_source_tensor_accounted_for(plugin_case)
+
+
+def test_plugin_open_converted_and_mla_operands(plugin_case: Case):
+    TL.test_open_converted_same_bytes_and_alias(plugin_case)
+    TL.test_mla_operands_recombine_to_kv_b(plugin_case)
+
+
+def test_plugin_indexer_names(plugin_case: Case, v32_out):
+    """The plugin's module paths, spelled out: per layer (and the drafter's mtp_block) the six (bf16: five)
+    indexer tensors under `model.model.layers.{i}.self_attn.indexer.`, W_K/W_V on `mla_attn` itself, no
+    `.impl.` and no `mla_attn.indexer` name (the plugin's MLA layer keeps no indexer alias); the flags
+    and indexer layers as native; DP-attention off."""
+    c = plugin_case
+    n = c.src.n_layers
+    leaves = {"wq_b.weight", "wk_weights_proj.weight", "wk_weights_proj.weight_scale", "k_norm.weight", "k_norm.bias"}
+    if c.fmt == "fp8":
+        leaves.add("wq_b.weight_scale")
+    native = json.loads((v32_out(c.fmt, c.target, c.tp) / TL.MANIFEST).read_text())
+    for set_name, layers, block in (("main", range(n), ""), ("mtp", [n], "mtp_block.")):
+        m = json.loads((c.dir_of(set_name) / TL.MANIFEST).read_text())
+        assert m["layout"]["profile"] == "vllm-plugin" and m["layout"]["flags"][FLAG] == 1
+        assert m["parallel"]["dp_attention"] is False
+        names = set(m["tensors"])
+        for i in layers:
+            base = f"model.model.layers.{i}.{block}self_attn."
+            assert {x[len(base + "indexer."):] for x in names if x.startswith(base + "indexer.")} == leaves, i
+            assert {base + f"mla_attn.{w}" for w in ("W_K", "W_K_scale", "W_V", "W_V_scale")} <= names, i
+        assert all(x.startswith("model.model.") or x == "model.lm_head.weight" for x in names)
+        assert not any(".impl." in x or ".mla_attn.indexer." in x for x in names)
+        assert m["model"]["indexer_layers"] == list(range(n + 1))
+        if set_name == "main":
+            assert m["layout"]["flags"] == native["layout"]["flags"]
+            assert m["model"] == {k: ({plugin_name(a): b for a, b in v.items()} if k == "moe_layers" else v)
+                                  for k, v in native["model"].items()}
+
+
+def test_plugin_dp_attention_refused(v32_src, work):
+    with pytest.raises(UnsupportedError, match="forces enable_dp_attention off"):
+        atom_convert.convert(v32_src("bf16"), work / "refused-plugin-dpa", target="gfx950", tp=2,
+                             dp_attention=True, profile="vllm-plugin")
+
+
+def test_other_plugin_profile_refused(v32_src, work, monkeypatch):
+    """A profile other than the two modelled (e.g. an SGLang-style plugin, which replaces the MLA post-load
+    step) is refused with the reason, naming the profiles that work."""
+    from atom_convert.layout import profile as P
+
+    monkeypatch.setitem(P.PROFILES, "sglang-plugin", P.NamingProfile("sglang-plugin", "test", "model.", "mla_attn"))
+    with pytest.raises(UnsupportedError, match=r"--profile sglang-plugin.*native server and its vLLM plugin only.*"
+                                               r"--profile atom or --profile vllm-plugin"):
+        atom_convert.convert(v32_src("bf16"), work / "refused-sglang", target="gfx950", profile="sglang-plugin")
+
+
+@pytest.mark.parametrize("fmt,target,tp", [("fp8", "gfx942", 2)])
+def test_plugin_verify_source_passes(fmt, target, tp, v32_src, v32_out):
+    from atom_convert.check.verify import verify
+
+    r = verify(v32_out(fmt, target, tp, profile="vllm-plugin"), v32_src(fmt))
+    assert r.ok, r.failures
 
 
 @pytest.mark.parametrize("fmt,target,tp", [("fp8", "gfx942", 2), ("bf16", "gfx950", 1)])

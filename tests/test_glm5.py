@@ -32,7 +32,7 @@ import atom_convert
 import test_layout as TL
 from atom_convert.errors import BadInputError, CheckpointError, ConfigError, UnsupportedError
 from glm_fixtures import build_glm, glm_config
-from test_deepseek_v32 import IDX, Case, V32Builder, _rewrite
+from test_deepseek_v32 import IDX, Case, V32Builder, _rewrite, plugin_expected, plugin_name
 
 FORMATS = ("bf16", "fp8")
 TARGETS = ("gfx950", "gfx942")
@@ -349,9 +349,81 @@ def test_missing_mtp_indexer_refused_unless_no_mtp(glm_src, work):
     atom_convert.convert(bad, work / "ok-no-mtp", target="gfx950", mtp=False)
 
 
-def test_plugin_profile_refused(glm_src, work):
-    with pytest.raises(UnsupportedError, match=r"GLM-5 with --profile vllm-plugin.*Convert with --profile atom"):
-        atom_convert.convert(glm_src("glm5", "bf16"), work / "refused-plugin", target="gfx950", profile="vllm-plugin")
+# --profile vllm-plugin (test_deepseek_v32's finding, from atom/plugin/vllm at ffdf3bb5d): the plugin builds
+# this same GlmMoeDsaForCausalLM (model_wrapper.py 149) and DeepSeekMTP (150) under the wrapper's `model`;
+# GLM has no default excludes, and the `indexers_proj` mapping is applied to target and drafter alike
+# (472-481). So the expectation is GlmBuilder's under plugin_name: the replicated embedding, IndexShare's
+# indexer-less layers and the fused bf16 indexer all as native.
+GLM_PLUGIN_CASES = [("glm5", "fp8", "gfx942", 2), ("glm52", "fp8", "gfx950", 1), ("glm52", "bf16", "gfx942", 2)]
+
+
+@pytest.fixture(scope="module", params=GLM_PLUGIN_CASES, ids=["-".join(map(str, c)) for c in GLM_PLUGIN_CASES])
+def plugin_case(request, glm_src, glm_out, aiter) -> Case:
+    variant, fmt, target, tp = request.param
+    src = TL.Source(glm_src(variant, fmt))
+    exp = plugin_expected(GlmBuilder(src, target, tp, aiter[1].shuffle_weight).build())
+    return Case(f"tiny-{variant}", fmt, target, tp, src, glm_out(variant, fmt, target, tp, profile="vllm-plugin"), exp)
+
+
+def test_plugin_every_tensor_byte_exact(plugin_case: Case):
+    TL.test_every_tensor_byte_exact(plugin_case)
+    TL.test_manifest_entries_match_files(plugin_case)
+    TL.test_every_source_tensor_accounted_for(plugin_case)
+
+
+def test_plugin_open_converted_and_mla_operands(plugin_case: Case):
+    TL.test_open_converted_same_bytes_and_alias(plugin_case)
+    TL.test_mla_operands_recombine_to_kv_b(plugin_case)
+
+
+def test_plugin_names_embedding_and_indexer_layers(plugin_case: Case):
+    """Spelled out under the plugin's paths: `model.model.embed_tokens.weight` whole and identical on every
+    rank (main and drafter), `model.lm_head.weight` and the drafter's head vocab-parallel; the indexer only on
+    the "full" layers and the MTP block; the three flags recorded; DP-attention off."""
+    c, s = plugin_case, plugin_case.src
+    emb = "model." + EMBED
+    full = _full_layers(s)
+    for set_name in c.exp.sets:
+        m = json.loads((c.dir_of(set_name) / TL.MANIFEST).read_text())
+        assert m["layout"]["profile"] == "vllm-plugin" and m["parallel"]["dp_attention"] is False
+        assert all(m["layout"]["flags"][k] == v for k, v in FLAGS.items())
+        e = m["tensors"][emb]
+        assert (e["shape"], e["split"]) == ([s.vocab, s.H], {"kind": "replicated", "ways": 1})
+        head = ("model.lm_head.weight" if set_name == "main"
+                else f"model.model.layers.{s.n_layers}.shared_head.head.weight")
+        assert m["tensors"][head]["shape"] == [s.vocab // c.tp, s.H]
+        whole = s[EMBED if set_name == "main" else f"model.layers.{s.n_layers}.embed_tokens.weight"]
+        for r in range(c.tp):
+            assert torch.equal(TL.u8(TL._rank_tensors(c, set_name, r)[emb]), TL.u8(whole))
+        have = {int(re.match(r"model\.model\.layers\.(\d+)\.", n).group(1)) for n in m["tensors"] if f".{IDX}" in n}
+        assert have == {i for i in full if (i >= s.n_layers) == (set_name == "mtp")}
+        assert not any(".impl." in n or ".mla_attn.indexer." in n for n in m["tensors"])
+        assert m["model"]["indexer_layers"] == full
+
+
+def test_plugin_mxfp4_equals_native_renamed(glm_mx, work):
+    """GLM-5.2-MXFP4 (Quark, MoE only) under the plugin: the native conversion's tensors (held against the
+    independent builders in test_mxfp4_moe_only_byte_exact), each under plugin_name, same bytes and entries."""
+    nat, plg = work / "out" / "glm52-mxfp4-tp2-native-vs-plugin", work / "out" / "glm52-mxfp4-tp2-plugin"
+    atom_convert.convert(glm_mx, nat, target="gfx950", tp=2)
+    atom_convert.convert(glm_mx, plg, target="gfx950", tp=2, profile="vllm-plugin")
+    for r in range(2):
+        with atom_convert.open_converted(nat, rank=r) as a, atom_convert.open_converted(plg, rank=r) as b:
+            for x, y in ((a, b), (a.mtp(), b.mtp())):
+                assert sorted(y.keys()) == sorted(plugin_name(n) for n in x.keys())
+                for n in x.keys():
+                    assert torch.equal(TL.u8(x.get(n)), TL.u8(y.get(plugin_name(n)))), (r, n)
+                    ea, eb = x.entry(n), y.entry(plugin_name(n))
+                    assert {k: v for k, v in ea.items() if k not in ("file", "rank_files")} == \
+                        {k: v for k, v in eb.items() if k not in ("file", "rank_files")}, n
+                assert y.aliases == {plugin_name(k): plugin_name(v) for k, v in x.aliases.items()}
+
+
+def test_plugin_verify_source_passes(glm_src, glm_out):
+    from atom_convert.check.verify import verify
+
+    r = verify(glm_out("glm52", "fp8", "gfx942", 2, profile="vllm-plugin"), glm_src("glm52", "fp8"))
+    assert r.ok, r.failures
 
 
 def test_tied_embeddings_refused(glm_src, work):

@@ -40,7 +40,8 @@ PROFILES: dict[str, NamingProfile] = {
     ),
     # atom-layout-plugin.md §0-§1.2 (HEAD): ATOM's model is the wrapper's `model` attribute, so every
     # name gains one `model.`; W_K/W_V sit directly on `mla_attn` (its `impl` is itself). The plugin
-    # forces DP-attention off (§4).
+    # forces DP-attention off (§4). The same holds for DeepSeek-V3.2 and GLM-5, whose sparse-MLA layer
+    # (AttentionForVllmSparseMLA) is this MLA layer with another backend (arch/deepseek_v32.py `_PROFILES`).
     "vllm-plugin": NamingProfile(
         name="vllm-plugin",
         description="ATOM inside vLLM as its out-of-tree plugin, ATOM HEAD (atom-layout-plugin.md §1)",

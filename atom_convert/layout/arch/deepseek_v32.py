@@ -17,6 +17,10 @@ replicated on every rank at any tp, with EP and with DP-attention alike:
   raw wk scale (fp8 source); for a bf16 source ATOM leaves it `torch.empty`, written here as zeros.
 - unfused (index_head_dim != 128 or qk_rope_head_dim != 64): `wk` like `wq_b`, `weights_proj` bf16.
 - `self_attn.indexer.k_norm.{weight,bias}`: a LayerNorm's fp32 parameters.
+
+--profile vllm-plugin: the same tensors and bytes under the plugin profile's names
+(`model.model.layers.{i}.self_attn.indexer.*`, the drafter's `model.model.layers.{n}.mtp_block.self_attn.
+indexer.*`); see `_PROFILES` for why nothing else changes.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ WQ_B = LinearRule(INDEXER + "wq_b", (INDEXER + "wq_b",), Par.REPLICATED, lambda 
 WK = LinearRule(INDEXER + "wk", (INDEXER + "wk",), Par.REPLICATED, lambda s: ((s.Dh, s.H),))
 WEIGHTS_PROJ = LinearRule(INDEXER + "weights_proj", (INDEXER + "weights_proj",), Par.REPLICATED,
                           lambda s: ((s.Ih, s.H),))
+
+# The profiles whose V3.2/GLM tree is modelled. Under vLLM (atom/plugin/vllm at ffdf3bb5d) ATOM builds the
+# same DeepseekV2ForCausalLM subclasses (model_wrapper.py 147, 149) with the same Indexer (deepseek_v2.py
+# 2149-2222: its plugin decorator swaps a forward op only, layer_sparse_mla.py 570-585); the sparse MLA layer
+# (attention/layer.py 70-77, layer_mla.py 1439-1440) is the dense one with another backend, so the
+# vllm-plugin profile's renaming (`model.` prefix, W_* on mla_attn) is the whole difference. The plugin's
+# default excludes for V3.2 (`*.indexer.weights_proj`, `*.indexer.wk_weights_proj`, deepseek_v2.py 3426-3432,
+# applied at model_wrapper.py 483-485) match only modules ATOM builds with quant_config=None anyway
+# (deepseek_v2.py 1997, 2206-2211) and not `indexer.wk`, whose spec decides the fusion (321-347).
+_PROFILES = ("atom", "vllm-plugin")
 
 _INDEXER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.indexer\.")
 _FORMAT_WORDS = {"bf16": "bf16", "fp8-block": "DeepSeek fp8 block", "quark-mxfp4": "Quark MXFP4 (MoE-only)"}
@@ -200,12 +214,12 @@ class DeepseekV32Loader(DeepseekLoader):
     def check_source(self, src: SourceCheckpoint, spec: ModelSpec, fmt: SourceFormat, target: str,
                      par: Parallel, profile: NamingProfile) -> None:
         where = src.path / "config.json"
-        if profile.name != "atom":
+        if profile.name not in _PROFILES:
             raise UnsupportedError(
-                f"{where}: {self.family} with --profile {profile.name}: ATOM's plugin modes build {self.family} "
-                f"through "
-                f"their own sparse-MLA layers (atom/plugin/vllm/attention/layer_sparse_mla.py), whose module tree "
-                f"atom-convert does not model yet. Convert with --profile atom (ATOM's native server)")
+                f"{where}: {self.family} with --profile {profile.name}: atom-convert models {self.family}'s module "
+                f"tree for ATOM's native server and its vLLM plugin only (an SGLang-style plugin replaces the MLA "
+                f"post-load step with its own, atom-layout-plugin.md §6). Convert with --profile "
+                f"{' or --profile '.join(_PROFILES)}")
         if fmt.name not in self.formats:
             raise UnsupportedError(
                 f"{where}: a {fmt.name} {self.family} checkpoint: atom-convert converts {self.family} from its "

@@ -20,6 +20,13 @@ index_n_heads 32, ...). What differs (§2.2, §2.3):
 - AMD's Quark MXFP4 export (GLM-5.2-MXFP4) quantizes the MoE only (routed and shared experts) and
   excludes attention, so the indexer is bf16 and takes the fused path; an export whose indexer or
   attention is MXFP4 is refused (ATOM then builds the indexer unfused, not modelled here).
+
+--profile vllm-plugin: V3.2's plugin layout (deepseek_v32.py `_PROFILES`). The plugin builds this same
+class (atom/plugin/vllm/model_wrapper.py 149), which has no default excludes; the `indexers_proj` mapping is
+applied to the target and the MTP drafter alike (472-481). The plugin's config is vLLM's, i.e.
+transformers' GlmMoeDsaConfig, which fills `indexer_types` when config.json has none; for the configs
+accepted here (no IndexShare key without `indexer_types`, layout/model.py) that is all "full", the layers
+ATOM's native server gives an indexer too.
 """
 
 from __future__ import annotations
