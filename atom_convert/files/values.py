@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import BadInputError
@@ -28,6 +29,23 @@ from .dtypes import E8M0_NAN
 _FP8_NAN_POS = 0x7F  # as int8: the largest value
 _FP8_NAN_NEG = 0xFF  # as uint8: the largest value
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# IEEE-style floats are NaN or Inf exactly when every exponent bit is set. Read as a signed
+# integer, a positive such value is >= the first pattern; read as unsigned, a negative one is
+# >= the second (the sign bit on top). So two integer max reductions find one, and numpy's
+# integer max runs at 2-3x the speed of torch's float aminmax (8 against 4.7 GB/s for bf16 on
+# one core of the 2-core box, 4.6 against 1.8 on a strided slice).
+_NONFINITE_BITS: dict[torch.dtype, tuple[Any, Any, int, int]] = {
+    torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float16: (torch.int16, np.uint16, 0x7C00, 0xFC00),
+    torch.float32: (torch.int32, np.uint32, 0x7F800000, 0xFF800000),
+}
+
+
+def _has_nonfinite(t: torch.Tensor) -> bool:
+    """True when `t` (a dtype of _NONFINITE_BITS, any strides) holds a NaN or an infinity."""
+    signed, unsigned, pos, neg = _NONFINITE_BITS[t.dtype]
+    a = t.view(signed).numpy()
+    return int(a.max()) >= pos or int(a.view(unsigned).max()) >= neg
 
 
 @dataclass
@@ -55,6 +73,9 @@ class ValueGuard:
             if int(b.amax()) == _FP8_NAN_NEG or int(b.view(torch.int8).amax()) == _FP8_NAN_POS:
                 self._report(name, file, t, origin, (b & 0x7F) == 0x7F,
                              "fp8 NaN code (e4m3fn 0x7F/0xFF; gfx942's e4m3fnuz would read it as a finite value)")
+        elif t.dtype in _NONFINITE_BITS:
+            if _has_nonfinite(t):
+                self._report(name, file, t, origin, ~torch.isfinite(t), "NaN or Inf")
         elif t.dtype in _FLOATS:
             # aminmax propagates NaN and returns an infinity when there is one: one reduction.
             lo, hi = torch.aminmax(t)
