@@ -190,8 +190,19 @@ def build_tiny(preset: str | dict[str, Any], out: str | Path, *, fmt: str = "bf1
 
 def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor of a DeepSeek/Kimi/GLM HF checkpoint, in file order.
-    kind: 'linear' (quantizable weight), 'router', 'bias' (fp32), 'plain' (bf16)."""
+    kind: 'linear' (quantizable weight), 'router', 'bias' (fp32), 'plain' (bf16).
+
+    A Kimi-K2.5 config (text model in `text_config`): the text tensors under the checkpoint's
+    `language_model.` prefix, then the vision tower and projector of its `vision_config`, all 'plain'
+    (atom-layout-next.md §3.1)."""
     s = ModelSpec.from_config(cfg)
+    for name, shape, kind in _text_inventory(s):
+        yield s.text_prefix + name, shape, kind
+    if s.text_prefix:
+        yield from _vision_inventory(cfg)
+
+
+def _text_inventory(s: ModelSpec) -> Iterator[tuple[str, tuple[int, ...], str]]:
     yield "model.embed_tokens.weight", (s.vocab, s.H), "plain"
     for i in range(s.n_layers + s.n_mtp):
         p = f"model.layers.{i}."
@@ -241,11 +252,78 @@ def source_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]
     yield "lm_head.weight", (s.vocab, s.H), "plain"
 
 
+# Kimi-K2.5's vision tower (MoonViT) and projector at the release's width: its remote code's
+# KimiK25VisionConfig defaults, in the `vt_*` schema of its config.json (atom-layout-next.md §3.1).
+# `vt_num_hidden_layers` is 27 there; kimi_k25_config writes fewer blocks by default.
+KIMI_K25_VISION = {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+                   "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27,
+                   "vt_hidden_size": 1152, "vt_intermediate_size": 4304, "merge_kernel_size": [2, 2],
+                   "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
+                   "_attn_implementation": "flash_attention_2", "mm_projector_type": "patchmerger",
+                   "mm_hidden_size": 1152, "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+                   "text_hidden_size": 7168}
+
+
+def kimi_k25_config(text: dict[str, Any], *, vision_layers: int = 1) -> dict[str, Any]:
+    """A Kimi-K2.5 (KimiK25ForConditionalGeneration) config.json around a Kimi-K2 text config: the text
+    model in `text_config` (its own quantization_config and auto_map removed: the checkpoint's sit at the
+    top level, atom-layout-next.md §3.1), a real-width `vision_config` with `vision_layers` encoder blocks."""
+    text = {k: v for k, v in text.items() if k not in ("quantization_config", "auto_map")}
+    text["model_type"] = "kimi_k2"
+    vision = dict(KIMI_K25_VISION, vt_num_hidden_layers=vision_layers, text_hidden_size=text["hidden_size"])
+    return {"architectures": ["KimiK25ForConditionalGeneration"],
+            "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                         "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+                         "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+            "model_type": "kimi_k25", "bos_token_id": text.get("bos_token_id", 163584),
+            "eos_token_id": text.get("eos_token_id", 163585), "ignore_index": -100,
+            "media_placeholder_token_id": 163605, "tie_word_embeddings": False, "text_config": text,
+            "vision_config": vision, "use_unified_vision_chunk": True,
+            "video_placeholder": "<|kimi_k25_video_placeholder|>"}
+
+
+def _vision_inventory(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """Kimi-K2.5's vision tower and projector with the release's names (atom-layout-next.md §3.1; the
+    shapes of transformers' Kimi_K25 modules): bf16 weights and biases, 'plain'."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ValueError("a Kimi-K2.5 config needs a vision_config object (kimi_k25_config writes one)")
+    h, inter, p = v["vt_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+    mm = v.get("mm_hidden_size") or h
+    merged = mm * math.prod(v["merge_kernel_size"])
+    t = "vision_tower."
+    yield t + "patch_embed.proj.weight", (h, 3, p, p), "plain"
+    yield t + "patch_embed.proj.bias", (h,), "plain"
+    yield t + "patch_embed.pos_emb.weight", (v["init_pos_emb_height"], v["init_pos_emb_width"], h), "plain"
+    for j in range(v["vt_num_hidden_layers"]):
+        b = f"{t}encoder.blocks.{j}."
+        for module, out, inp in (("norm0", h, 0), ("norm1", h, 0), ("wqkv", 3 * h, h), ("wo", h, h),
+                                 ("mlp.fc0", inter, h), ("mlp.fc1", h, inter)):
+            yield b + module + ".weight", ((out, inp) if inp else (out,)), "plain"
+            yield b + module + ".bias", (out,), "plain"
+    yield t + "encoder.final_layernorm.weight", (h,), "plain"
+    yield t + "encoder.final_layernorm.bias", (h,), "plain"
+    for module, out, inp in (("pre_norm", mm, 0), ("proj.0", merged, merged),
+                             ("proj.2", cfg["text_config"]["hidden_size"], merged)):
+        yield f"mm_projector.{module}.weight", ((out, inp) if inp else (out,)), "plain"
+        yield f"mm_projector.{module}.bias", (out,), "plain"
+
+
+def mxfp4_in_export(name: str, text_prefix: str = "") -> bool:
+    """Whether build_random's Quark MXFP4 export stores the linear weight `name` in MXFP4: the routed
+    experts only (Quark's kimi_k2 template, Kimi-K2-Thinking-MXFP4); for a Kimi-K2.5 (`text_prefix`
+    "language_model.") every MLP linear, layer 0's dense MLP and the shared experts too, as
+    amd/Kimi-K2.5-MXFP4's recipe excludes only `*self_attn* *mlp.gate *lm_head *mm_projector*
+    *vision_tower*` (atom-layout-next.md §3.5). (With full-name excludes and bf16 shared experts, ATOM's
+    own loader disagrees with its model construction about the shared-expert fusion, §3.2.)"""
+    return ".mlp." in name if text_prefix else ".mlp.experts." in name
+
+
 def _random_tensors(name: str, shape: tuple[int, ...], kind: str, fmt: str, weights: str,
-                    gen: torch.Generator) -> dict[str, torch.Tensor]:
+                    gen: torch.Generator, text_prefix: str = "") -> dict[str, torch.Tensor]:
     """One source tensor of `source_inventory` (and its scale), random, as build_random documents."""
     if fmt == "mxfp4" and kind == "linear":
-        if ".mlp.experts." not in name:  # Quark's kimi_k2 template: only routed experts in MXFP4
+        if not mxfp4_in_export(name, text_prefix):
             return {name: (torch.randn(shape, generator=gen) * shape[1] ** -0.5).to(torch.bfloat16)}
         return {name: torch.randint(0, 256, (shape[0], shape[1] // 2), generator=gen, dtype=torch.uint8),
                 name.removesuffix(".weight") + ".weight_scale":
@@ -283,7 +361,10 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     quantised as DeepSeek does for fp8 (numerical checks).
     fmt="mxfp4": a Quark-style export with the routed experts in MXFP4 (random
     codes, e8m0 scales 2^-9..2^-4) and every other linear in bf16, as Quark's
-    kimi_k2 template writes it.
+    kimi_k2 template writes it. A Kimi-K2.5 config (kimi_k25_config) gives AMD's
+    Kimi-K2.5-MXFP4 export's layout: `language_model.` text names, every MLP linear
+    in MXFP4 (mxfp4_in_export), the quantization_config at the top level, attention,
+    routers, lm_head, the vision tower and projector bf16 and in its exclude list.
 
     Tensors are generated on `threads` threads (default: the usable cores; torch's generators
     release the GIL), each from its own generator seeded by (seed, its index in the inventory),
@@ -309,9 +390,11 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
         buf, size = {}, 0
 
     def make(i: int, name: str, shape: tuple[int, ...], kind: str) -> dict[str, torch.Tensor]:
-        return _random_tensors(name, shape, kind, fmt, weights, torch.Generator().manual_seed((seed << 24) + i))
+        return _random_tensors(name, shape, kind, fmt, weights, torch.Generator().manual_seed((seed << 24) + i),
+                               prefix)
 
     excluded: list[str] = []
+    prefix = ModelSpec.from_config(cfg).text_prefix
     pending: list[tuple[Any, int]] = []  # futures in inventory order, with their planned bytes
     ahead = 0  # elements (1-4 bytes each) submitted and not yet taken: about a shard ahead at most
     with ThreadPoolExecutor(max_workers=threads or usable_cores()) as pool:
@@ -322,8 +405,10 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
                 if nxt is None:
                     break
                 i, (name, shape, kind) = nxt
-                if fmt == "mxfp4" and kind == "linear" and ".mlp.experts." not in name:
+                if fmt == "mxfp4" and kind == "linear" and not mxfp4_in_export(name, prefix):
                     excluded.append(name.removesuffix(".weight"))
+                elif fmt == "mxfp4" and prefix and (kind == "router" or not name.startswith(prefix)) and len(shape) > 1:
+                    excluded.append(name.removesuffix(".weight"))  # K2.5's routers and vision modules: see below
                 nbytes = math.prod(shape)  # elements: a size estimate
                 pending.append((pool.submit(make, i, name, shape, kind), nbytes))
                 ahead += nbytes
@@ -348,7 +433,9 @@ def build_random(cfg: dict[str, Any], out: str | Path, *, fmt: str = "fp8", seed
     if fmt == "fp8":
         cfg = dict(cfg, quantization_config=dict(FP8_QUANT_CONFIG))
     elif fmt == "mxfp4":
-        cfg = dict(cfg, quantization_config=quark_mxfp4_config(excluded + ["lm_head"]))
+        # Kimi-K2.5: AMD's export names every excluded module in full, the routers, lm_head and the vision
+        # modules included (`*self_attn* *mlp.gate *lm_head *mm_projector* *vision_tower*`, atom-layout-next.md §3.5)
+        cfg = dict(cfg, quantization_config=quark_mxfp4_config(excluded + [prefix + "lm_head"]))
     else:
         cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -5,14 +5,18 @@ One run of this script:
 1. generates (or, with --reuse, reuses) a synthetic checkpoint at full width:
    fp8 at DeepSeek-V3 width (configs/deepseek-v3.json with num_hidden_layers=2:
    layer 0 dense, layer 1 MoE with 256 routed + 1 shared expert of 2048x7168,
-   no MTP layer, the real 129280-token vocabulary), or with --format mxfp4 a
-   Quark MXFP4 export at Kimi-K2 width (384 experts);
+   no MTP layer, the real 129280-token vocabulary; --family v32: DeepSeek-V3.2,
+   with the indexer), or with --format mxfp4 a Quark MXFP4 export at Kimi-K2
+   width (384 experts; --family k25: as AMD's Kimi-K2.5-MXFP4 lays it out, the
+   text model under language_model. with every MLP linear in MXFP4, plus a
+   one-block real-width bf16 vision tower and projector, atom-layout-next.md §3);
 2. for every configuration (each --target x each --workers value, at --tp),
    times --pairs pairs of (a) a plain copy of the source files into a new folder
    (read + write + fsync per file) and (b) a conversion (`atom_convert.convert`
-   with that target, tp and workers, default shard size; the process then ends
-   as the installed command does, atom_convert.cli.quick_exit) into a new folder,
-   alternating which runs first, after one untimed copy (--no-settle: none).
+   with that target, tp and workers, --ep and --profile where given, default
+   shard size; the process then ends as the installed command does,
+   atom_convert.cli.quick_exit) into a new folder, alternating which runs
+   first, after one untimed copy (--no-settle: none).
    Each run is a fresh subprocess. With --cache
    cold (the default) the page cache is dropped before every run (echo 3 >
    /proc/sys/vm/drop_caches; where that is refused, posix_fadvise DONTNEED on
@@ -36,6 +40,7 @@ Examples:
     python bench/bench_convert.py --tp 8 --workers 1,all --target gfx950,gfx942   # the issue-9 table
     python bench/bench_convert.py --smoke          # under a minute, checks the script
     python bench/bench_convert.py --format mxfp4 --tp 4 --workers all
+    python bench/bench_convert.py --family k25 --format mxfp4 --tp 8 --ep --workers all
     python bench/bench_convert.py --reuse --keep-source --pairs 3
 
 Only the standard library is imported at the top level, so that the copy child
@@ -61,6 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 DEFAULT_WORKDIR = Path("/tmp/atom-convert-bench")
 DISK_FACTOR = 2.3  # free space needed: source + one output (each run's output is deleted) + headroom
+GENERATE_ONLY_DISK_FACTOR = 1.1  # --generate-only writes the source alone
 SOURCE_SHARD_BYTES = 4 * 1000**3  # DeepSeek-V3's own shards are ~4.3 GB
 MARKER = ".bench-source.json"  # written after a complete generation; --reuse checks it
 
@@ -109,6 +115,16 @@ def child_copy(src: Path, dst: Path) -> dict[str, Any]:
     return {"files": n}
 
 
+def layout_options(opts: dict[str, Any], accepted: Any) -> dict[str, Any]:
+    """The --ep / --profile keywords of a configuration, only where they are set (so that a package
+    from before them still runs the default ones); one this package lacks ends the run."""
+    kw = {k: opts[k] for k in ("ep", "profile") if opts.get(k)}
+    missing = [k for k in kw if k not in accepted]
+    if missing:
+        sys.exit(f"bench_convert: this atom_convert has no {', '.join(missing)}= option; leave out --{missing[0]}")
+    return kw
+
+
 def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     import atom_convert
 
@@ -121,6 +137,7 @@ def child_convert(src: Path, dst: Path, opts: dict[str, Any]) -> dict[str, Any]:
     kw = {"workers": opts["workers"]} if workers_api else {}
     if opts.get("worker_mode", "auto") != "auto":
         kw["worker_mode"] = opts["worker_mode"]
+    kw.update(layout_options(opts, inspect.signature(atom_convert.convert).parameters))
     apply_variant(opts.get("patch", {}))  # a --variant: its options set first
     t0 = time.perf_counter()
     manifest = atom_convert.convert(src, dst, target=opts["target"], tp=opts["tp"], progress=False, **kw)
@@ -225,7 +242,8 @@ def child_bound(src: Path, opts: dict[str, Any]) -> dict[str, Any]:
         return {}  # a package state from before --workers: no bound
     from atom_convert.engine import workers
 
-    plan = make_plan(SourceCheckpoint(src), target=opts["target"], tp=opts["tp"])
+    plan = make_plan(SourceCheckpoint(src), target=opts["target"], tp=opts["tp"],
+                     **layout_options(opts, inspect.signature(atom_convert.convert).parameters))
     groups = plan.main.groups + (plan.mtp.groups if plan.mtp else [])
     item = max(i.cost for i in workers.items(groups, plan.tp))
     return {"largest_item_working_set_bytes": item, "rss_bound_bytes": opts["workers"] * item + 1000**3}
@@ -426,6 +444,16 @@ def tree_bytes(path: Path) -> tuple[int, int]:
     return total, files
 
 
+def safetensors_bytes(path: Path) -> int:
+    """Tensor bytes of the *.safetensors files in path, from their headers' data_offsets (headers excluded)."""
+    total = 0
+    for p in sorted(path.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
 # DeepSeek-V3.2: V3's config plus the indexer's keys (atom-layout-next.md §1.1), the fp8 release's values
 V32_KEYS = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_head_dim": 128,
             "index_n_heads": 64, "index_topk": 2048}
@@ -434,35 +462,46 @@ V32_KEYS = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek
 def bench_config(layers: int, experts: int, vocab: int, fmt: str = "fp8", family: str = "v3") -> dict[str, Any]:
     """fp8: DeepSeek-V3 width (family "v32": DeepSeek-V3.2, V3 plus the indexer of every layer);
     mxfp4: Kimi-K2 width (64 heads), routed experts in MXFP4 as Quark's kimi_k2 template exports
-    them (Kimi-K2-Thinking-MXFP4)."""
-    from atom_convert.synth import load_preset
+    them (Kimi-K2-Thinking-MXFP4); family "k25" (mxfp4 only): the same text model as Kimi-K2.5
+    (KimiK25ForConditionalGeneration, atom-layout-next.md §3: `language_model.` names, the text config
+    in `text_config`, the quantization_config at the top level) as amd/Kimi-K2.5-MXFP4 quantises it
+    (every MLP linear MXFP4: layer 0's dense MLP, routed and shared experts; §3.5), with a real-width
+    vision tower of one block and the projector, bf16 (synth.kimi_k25_config; only --profile
+    vllm-plugin carries them)."""
+    from atom_convert.synth import kimi_k25_config, load_preset
 
+    if family in ("v32", "k25") and fmt != {"v32": "fp8", "k25": "mxfp4"}[family]:
+        raise SystemExit(f"bench_convert: --family {family} is the "
+                         + ("fp8 release (--format fp8)" if family == "v32" else
+                            "Quark MXFP4 export (--format mxfp4)"))
     cfg = load_preset("deepseek-v3" if fmt == "fp8" else "kimi-k2")
     cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=0,
                n_routed_experts=experts, vocab_size=vocab)
     if family == "v32":
-        if fmt != "fp8":
-            raise SystemExit("bench_convert: --family v32 is the fp8 release (--format fp8)")
         cfg.update(V32_KEYS)
     if fmt != "fp8":
         cfg.pop("quantization_config", None)
+    if family == "k25":
+        cfg = kimi_k25_config(cfg)
     cfg["_bench_format"] = fmt
     return cfg
 
 
 def expected_source_bytes(cfg: dict[str, Any]) -> int:
-    """Tensor bytes of the fp8 source build_random writes (headers and json files excluded)."""
-    from atom_convert.synth import scale_grid, source_inventory
+    """Tensor bytes of the source build_random writes (headers and json files excluded)."""
+    from atom_convert.layout.model import ModelSpec
+    from atom_convert.synth import mxfp4_in_export, scale_grid, source_inventory
 
     fmt = cfg.get("_bench_format", "fp8")
     cfg = {k: v for k, v in cfg.items() if k != "_bench_format"}
+    prefix = ModelSpec.from_config(cfg).text_prefix
     total = 0
     for name, shape, kind in source_inventory(cfg):
         n = 1
         for d in shape:
             n *= d
         if kind == "linear" and fmt == "mxfp4":
-            total += n // 2 + n // 32 if ".mlp.experts." in name else 2 * n
+            total += n // 2 + n // 32 if mxfp4_in_export(name, prefix) else 2 * n
         elif kind == "linear":
             g = scale_grid(shape)
             total += n + 4 * g[0] * g[1]
@@ -474,18 +513,21 @@ def expected_source_bytes(cfg: dict[str, Any]) -> int:
 
 
 def source_dir_name(layers: int, experts: int, vocab: int, seed: int, fmt: str = "fp8", family: str = "v3") -> str:
-    model = ("dsv32" if family == "v32" else "dsv3") if fmt == "fp8" else f"kimi-{fmt}"
+    model = (("dsv32" if family == "v32" else "dsv3") if fmt == "fp8" else
+             f"kimi-k25-{fmt}" if family == "k25" else f"kimi-{fmt}")
     return f"src-{model}-L{layers}-E{experts}-V{vocab}-s{seed}"
 
 
-def check_disk(workdir: Path, need_total: int, already: int) -> int:
+def check_disk(workdir: Path, need_total: int, already: int, factor: float = DISK_FACTOR) -> int:
     free = shutil.disk_usage(workdir).free
     if free + already < need_total:
         sys.exit(
             f"bench_convert: not enough free disk in {workdir}: {free / 1e9:.1f} GB free"
             + (f" (+ {already / 1e9:.1f} GB already used by the reused source)" if already else "")
-            + f", but the benchmark needs {DISK_FACTOR}x the source size = {need_total / 1e9:.1f} GB "
-            f"(source + one output at a time + headroom). Free some space or pass --workdir on a larger disk."
+            + f", but the benchmark needs {factor}x the source size = {need_total / 1e9:.1f} GB "
+            + ("(source + one output at a time + headroom)" if factor == DISK_FACTOR else
+               "(--generate-only: the source + headroom)")
+            + ". Free some space or pass --workdir on a larger disk."
         )
     return free
 
@@ -494,18 +536,19 @@ def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[
     cfg = bench_config(args.layers, args.experts, args.vocab, args.format, args.family)
     src = workdir / source_dir_name(args.layers, args.experts, args.vocab, args.seed, args.format, args.family)
     est = expected_source_bytes(cfg)
+    factor = GENERATE_ONLY_DISK_FACTOR if args.generate_only else DISK_FACTOR
     marker = src / MARKER
     if args.reuse and marker.is_file():
         meta = json.loads(marker.read_text())
         have, _ = tree_bytes(src)
-        if meta.get("config") == cfg and have >= est:
-            check_disk(workdir, int(DISK_FACTOR * have), have)
+        if meta.get("config") == cfg and safetensors_bytes(src) == est:
+            check_disk(workdir, int(factor * have), have, factor)
             print(f"[bench] reusing source {src} ({have / 1e9:.2f} GB)", flush=True)
             return src, {"generated": False, "generate_seconds": meta.get("generate_seconds")}
         print(f"[bench] {src} does not match the requested config; regenerating", flush=True)
     if src.exists():
         shutil.rmtree(src)
-    check_disk(workdir, int(DISK_FACTOR * est), 0)
+    check_disk(workdir, int(factor * est), 0, factor)
     print(f"[bench] generating {src} (~{est / 1e9:.2f} GB, {args.format}, seed {args.seed}) ...", flush=True)
     # In a subprocess: the generator's memory must not inflate the timed children or the page cache.
     cfg_json = workdir / ".bench-config.json"
@@ -517,8 +560,12 @@ def prepare_source(args: argparse.Namespace, workdir: Path) -> tuple[Path, dict[
     dt = time.perf_counter() - t0
     cfg_json.unlink()
     report.unlink()
+    got = safetensors_bytes(src)
+    if got != est:  # expected_source_bytes is what the disk check and the reuse check rely on
+        sys.exit(f"bench_convert: the generated source {src} holds {got} tensor bytes, expected_source_bytes "
+                 f"says {est}: one of them is wrong (fix it before timing anything)")
     marker.write_text(json.dumps({"config": cfg, "generate_seconds": dt}))
-    print(f"[bench] generated in {dt:.1f} s", flush=True)
+    print(f"[bench] generated in {dt:.1f} s ({got} tensor bytes, as expected_source_bytes says)", flush=True)
     return src, {"generated": True, "generate_seconds": dt}
 
 
@@ -527,7 +574,8 @@ _BOUNDS: dict[str, dict[str, Any]] = {}
 
 def memory_bound(src: Path, workdir: Path, opts: dict[str, Any]) -> dict[str, Any]:
     """child_bound's answer for a configuration, computed once, in its own untimed child."""
-    key = json.dumps([str(src), opts.get("target"), opts.get("tp"), opts.get("workers")])
+    key = json.dumps([str(src), opts.get("target"), opts.get("tp"), opts.get("workers"), opts.get("ep"),
+                      opts.get("profile")])
     if key not in _BOUNDS:
         report = workdir / ".report-bound.json"
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "bound", str(src), "-",
@@ -704,11 +752,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8",
                     help="fp8: DeepSeek-V3-width DeepSeek fp8 source (default); mxfp4: Kimi-K2-width Quark MXFP4 "
                          "export (routed experts MXFP4, 384 experts by default)")
-    ap.add_argument("--family", choices=("v3", "v32"), default="v3",
-                    help="fp8 source: DeepSeek-V3 (default) or DeepSeek-V3.2 (V3 plus the sparse-attention indexer)")
+    ap.add_argument("--family", choices=("v3", "v32", "k25"), default="v3",
+                    help="fp8 source: DeepSeek-V3 (default) or DeepSeek-V3.2 (v32: V3 plus the sparse-attention "
+                         "indexer); mxfp4 source: Kimi-K2 (default) or Kimi-K2.5 (k25: AMD's Kimi-K2.5-MXFP4 "
+                         "layout: the same text model under language_model., every MLP linear MXFP4, plus a "
+                         "bf16 vision tower)")
     ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default 256; --smoke 8)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 129280; --smoke 16384)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the conversions (default 1)")
+    ap.add_argument("--ep", action="store_true", help="convert for expert parallelism (convert's ep=True)")
+    ap.add_argument("--profile", choices=("atom", "vllm-plugin"), default=None,
+                    help="convert's naming profile (default: convert's own, atom); vllm-plugin carries a "
+                         "Kimi-K2.5 vision tower")
     ap.add_argument("--target", default="gfx950", help="comma-separated targets, e.g. gfx950,gfx942 (default gfx950)")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, 'all' = usable cores, e.g. 1,all "
                                                    "(default 1)")
@@ -800,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"bench_convert: --out-dir {out_dir}: {free / 1e9:.1f} GB free, but one output needs about "
                      f"{1.1 * src_bytes / 1e9:.1f} GB (1.1x the source); free some space or pick another folder")
 
+    vision = json.loads((src / "config.json").read_text()).get("vision_config")  # --family k25
     runs: list[dict[str, Any]] = []
     configs: list[dict[str, Any]] = []
     variants = [parse_variant(v) for v in args.variant] or [("", {})]
@@ -839,9 +895,11 @@ def main(argv: list[str] | None = None) -> int:
                                                for v in variants]:
             if workers == 1 and wmode != args.worker_mode.split(",")[0]:
                 continue  # one worker runs on the calling thread whatever the mode
-            label = (f"{target} tp={args.tp} workers={workers}" + (f" {wmode}" if wmode != "auto" else "")
-                     + (f" {vname}" if vname else ""))
-            opts = {"target": target, "tp": args.tp, "workers": workers, "worker_mode": wmode, "patch": patch}
+            label = (f"{target} tp={args.tp}" + (" ep" if args.ep else "")
+                     + (f" {args.profile}" if args.profile else "") + f" workers={workers}"
+                     + (f" {wmode}" if wmode != "auto" else "") + (f" {vname}" if vname else ""))
+            opts = {"target": target, "tp": args.tp, "workers": workers, "worker_mode": wmode, "patch": patch,
+                    "ep": args.ep, "profile": args.profile}
             mine: list[dict[str, Any]] = []
             for p in range(args.pairs):
                 order = ("copy", "convert") if k % 2 == 0 else ("convert", "copy")
@@ -851,12 +909,14 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warm_runs):
                 mine.append(one("convert", opts, True, None, label))
             summary = summarize(mine, src_bytes, workers)
-            summary.update(target=target, tp=args.tp, label=label, worker_mode=wmode, variant=vname, patch=patch)
+            summary.update(target=target, tp=args.tp, ep=args.ep, profile=args.profile, label=label,
+                           worker_mode=wmode, variant=vname, patch=patch)
             configs.append(summary)
 
     result = {
         "benchmark": ("atom-convert vs plain copy (fp8 DeepSeek-V3 width, synthetic)" if args.format == "fp8" else
-                      "atom-convert vs plain copy (Quark MXFP4 Kimi-K2 width, synthetic)"),
+                      "atom-convert vs plain copy (Quark MXFP4 Kimi-K2.5 layout, Kimi-K2 width, synthetic)"
+                      if args.family == "k25" else "atom-convert vs plain copy (Quark MXFP4 Kimi-K2 width, synthetic)"),
         "mode": mode,
         "timestamp": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": [Path(sys.executable).name, *sys.argv],
@@ -865,12 +925,17 @@ def main(argv: list[str] | None = None) -> int:
         "package_changed_during_run": any(x["package_sources_sha256"] != package["sources_sha256"] for x in runs),
         "page_cache": {"cold": cold, "note": cache_note},
         "output_dir": str(out_dir),
-        "source": {"path": str(src), "bytes": src_bytes, "files": src_files, "layers": args.layers,
-                   "experts": args.experts, "shared_experts": 1,
+        "source": {"path": str(src), "bytes": src_bytes, "files": src_files, "family": args.family,
+                   "layers": args.layers, "experts": args.experts, "shared_experts": 1,
                    "vocab": args.vocab, "hidden": 7168, "heads": 128 if args.format == "fp8" else 64,
                    "first_k_dense_replace": 1, "mtp_layers": 0,
                    "format": ("fp8 e4m3fn, fp32 weight_scale_inv per 128x128 block" if args.format == "fp8" else
-                              "Quark MXFP4 routed experts (uint8 e2m1 + e8m0 per 32), other linears bf16"),
+                              "Quark MXFP4 routed experts (uint8 e2m1 + e8m0 per 32), other linears bf16"
+                              if args.family != "k25" else
+                              "Quark MXFP4 (uint8 e2m1 + e8m0 per 32) dense MLP, routed and shared experts; "
+                              "attention, routers, lm_head, vision tower and projector bf16"),
+                   **({"vision": {k: v for k, v in vision.items() if k.startswith("vt_") or k == "mm_hidden_size"}}
+                      if vision else {}),
                    "seed": args.seed, "shard_bytes": SOURCE_SHARD_BYTES, **gen},
         "timing": "wall seconds of a fresh subprocess, start to exit (convert includes importing torch); "
                   "op_seconds: inside the child (a convert child's includes importing torch); "
@@ -880,13 +945,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.results_dir / f"{stamp}-{mode}-{args.format}-tp{args.tp}.json"
+    out = args.results_dir / (f"{stamp}-{mode}-{args.format}" + (f"-{args.family}" if args.family != "v3" else "")
+                              + f"-tp{args.tp}{'-ep' if args.ep else ''}"
+                              + (f"-{args.profile}" if args.profile else "") + ".json")
     out.write_text(json.dumps(result, indent=2) + "\n")
 
     print()
     print(f"machine : {machine['cpu_model']}, {machine['nproc_usable']} usable CPUs, {fmt_gb(machine['ram_bytes'])} RAM")
     print(f"cache   : {cache_note}")
-    print(f"source  : {fmt_gb(src_bytes)} in {src_files} files ({args.format}, {args.layers} layers, "
+    print(f"source  : {fmt_gb(src_bytes)} in {src_files} files ({args.format}"
+          + (f" {args.family}" if args.family != "v3" else "") + f", {args.layers} layers, "
           f"{args.experts} experts, vocab {args.vocab})")
     for c in configs:
         line = f"{c['label']:30s}"

@@ -1,5 +1,6 @@
 """The diagnostic bench tools run on a tiny checkpoint and report what the conversion did (they are
-not timed here: speed lives in bench/ and BENCHMARKS.md)."""
+not timed here: speed lives in bench/ and BENCHMARKS.md); bench_convert.py's Kimi-K2.5 source (--family k25)
+has the real checkpoint's names and AMD's MXFP4 recipe, the byte count the script checks, and converts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import atom_convert
 from atom_convert.engine import workers
 from atom_convert.engine.planning import make_plan
 from atom_convert.files.source import SourceCheckpoint
@@ -54,3 +56,109 @@ def test_trace_convert_records_every_item_and_shard(tiny_checkpoint: Callable[..
     assert not (tmp_path / "dst").exists()  # the output is removed
     assert len(rec["hashes"]) >= 2 and all(h["end"] >= h["start"] for h in rec["hashes"])  # a shard per rank at least
     assert "last item ends at" in text and "cores busy" in text and math.isfinite(rec["end"] - rec["start"])
+
+
+def _bench_convert():
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import bench_convert
+
+    return bench_convert
+
+
+def test_bench_k25_config_is_kimi_k25_text_width() -> None:
+    """bench_convert.py --family k25: a KimiK25ForConditionalGeneration config whose text_config has the Kimi-K2.5
+    text width of atom-layout-next.md §0's table, layer 0 dense + layer 1 MoE, no MTP, and a real-width MoonViT
+    vision_config (its remote code's KimiK25VisionConfig defaults) with one block; fp8 is refused."""
+    import pytest
+
+    b = _bench_convert()
+    cfg = b.bench_config(2, 384, 163840, "mxfp4", "k25")
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"
+    t = cfg["text_config"]
+    want = {"model_type": "kimi_k2", "hidden_size": 7168, "num_attention_heads": 64, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 384, "n_shared_experts": 1, "moe_intermediate_size": 2048, "intermediate_size": 18432,
+            "vocab_size": 163840, "first_k_dense_replace": 1, "num_hidden_layers": 2, "num_nextn_predict_layers": 0}
+    assert {k: t.get(k) for k in want} == want and "quantization_config" not in t
+    v = cfg["vision_config"]
+    assert (v["vt_hidden_size"], v["vt_intermediate_size"], v["vt_num_attention_heads"], v["vt_num_hidden_layers"],
+            v["text_hidden_size"]) == (1152, 4304, 16, 1, 7168)
+    assert b.source_dir_name(2, 384, 163840, 0, "mxfp4", "k25") == "src-kimi-k25-mxfp4-L2-E384-V163840-s0"
+    with pytest.raises(SystemExit, match="--format mxfp4"):
+        b.bench_config(2, 8, 16384, "fp8", "k25")
+
+
+def _tiny_k25(b, tmp_path: Path, fmt: str) -> tuple[dict, Path]:
+    """bench_config's k25 source at k25_fixtures' tiny widths (text and vision), written by synth.build_random."""
+    import k25_fixtures as KF
+    from atom_convert.synth import build_random
+
+    cfg = b.bench_config(2, KF.TEXT["n_routed_experts"], KF.TEXT["vocab_size"], "mxfp4", "k25")
+    cfg["text_config"].update({k: KF.TEXT[k] for k in KF.TF_KEYS if k != "model_type"})
+    cfg["vision_config"].update({k: KF.VISION_CONFIG[k] for k in (
+        "vt_hidden_size", "vt_intermediate_size", "vt_num_attention_heads", "vt_num_hidden_layers", "mm_hidden_size",
+        "init_pos_emb_height", "init_pos_emb_width", "text_hidden_size")})
+    gen = {k: v for k, v in cfg.items() if k != "_bench_format"}
+    return cfg, build_random(gen, tmp_path / f"src-{fmt}", fmt=fmt, seed=7, shard_bytes=1 << 20)
+
+
+def _tensors(src: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                s = h.get_slice(k)
+                out[k] = (s.get_dtype(), tuple(s.get_shape()))
+    return out
+
+
+def test_bench_k25_source_names_bytes_and_conversions(tmp_path: Path) -> None:
+    """The k25 source as the benchmark writes it, at tiny width: (1) its names and shapes are those of
+    transformers' own Kimi_K25ForConditionalGeneration save renamed to the real checkpoint's names
+    (tests/k25_fixtures.py, atom-layout-next.md §3.1, §5.4), vision tower and projector included;
+    (2) in MXFP4 every MLP linear (dense, routed and shared experts) is uint8 e2m1 + e8m0 per 32 and every
+    other 2-D tensor is 16/32-bit and named in the full-name exclude list (amd/Kimi-K2.5-MXFP4, §3.5);
+    (3) expected_source_bytes equals the tensor bytes written; (4) it converts natively (vision dropped)
+    and for the vLLM plugin (vision carried) at tp 2, plain and with EP, and verify --source passes."""
+    import k25_fixtures as KF
+    from atom_convert.check.verify import verify
+
+    b = _bench_convert()
+    _, bf16 = _tiny_k25(b, tmp_path, "bf16")
+    ref = KF.tf_tensors(0, KF.TEXT)
+    got = _tensors(bf16)
+    assert {k: s for k, (_, s) in got.items()} == {k: tuple(v.shape) for k, v in ref.items()}
+
+    cfg, src = _tiny_k25(b, tmp_path, "mxfp4")
+    got = _tensors(src)
+    top = json.loads((src / "config.json").read_text())
+    q = top["quantization_config"]
+    assert q["quant_method"] == "quark" and "quantization_config" not in top["text_config"]
+    excluded = set(q["exclude"])
+    for name, (dtype, shape) in got.items():
+        module = name.removesuffix(".weight").removesuffix(".weight_scale")
+        if name.endswith(".weight_scale"):
+            assert dtype == "U8" and got[module + ".weight"][0] == "U8", name
+        elif name.startswith(KF.PREFIX) and ".mlp." in name and "proj" in name:
+            k = ref[name].shape[1]
+            assert (dtype, shape) == ("U8", (ref[name].shape[0], k // 2)), name
+            assert got[module + ".weight_scale"] == ("U8", (ref[name].shape[0], k // 32)), name
+            assert module not in excluded
+        else:
+            assert dtype in ("BF16", "F32") and shape == tuple(ref[name].shape), name
+            if len(shape) > 1 and not name.endswith("embed_tokens.weight"):
+                assert module in excluded, name
+    assert b.expected_source_bytes(cfg) == b.safetensors_bytes(src)
+
+    vision = {n for n in got if not n.startswith(KF.PREFIX)}
+    for profile, ep in (("atom", False), ("atom", True), ("vllm-plugin", False)):
+        dst = tmp_path / f"out-{profile}-{ep}"
+        atom_convert.convert(src, dst, target="gfx950", tp=2, profile=profile, ep=ep)
+        m = json.loads((dst / "atom_manifest.json").read_text())
+        carried = {s for e in m["tensors"].values() for s in e["sources"] if not s.startswith(KF.PREFIX)}
+        assert (set(m["dropped"]), carried) == ((vision, set()) if profile == "atom" else (set(), vision))
+        r = verify(dst, src)
+        assert r.ok, r.failures
