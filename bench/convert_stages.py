@@ -12,7 +12,8 @@ What a switched-off stage saves is what it costs on the critical path; the runs'
 what it costs in all. The outputs are diagnostics only and are removed after each run.
 
 Usage: python bench/convert_stages.py SRC [--target gfx950] [--tp 8] [--workers N] [--runs 2]
-       [--stages full,hash-pread,no-hash,no-checks,no-write] [--out /dev/shm] [--json FILE]
+       [--stages full,hash-pread,no-hash,no-checks,no-write] [--variant NAME:MODULE.CLASS.OPTION=VALUE]
+       [--out /dev/shm] [--json FILE]
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ class _NoHash:
         return "0" * 64
 
 
-def _switch_off(stage: str) -> None:
+def _switch_off(stage: str, variants: dict[str, dict[str, Any]]) -> None:
     from atom_convert.engine import writer
     from atom_convert.files import values
 
-    if stage == "no-hash":
+    if stage in variants:
+        sys.path.insert(0, str(REPO / "bench"))
+        from bench_convert import apply_variant
+
+        apply_variant(variants[stage])
+    elif stage == "no-hash":
         class _Hashlib:  # the writer's `hashlib`, with sha256 replaced
             sha256 = _NoHash
         writer.hashlib = _Hashlib  # type: ignore[assignment]
@@ -71,16 +77,18 @@ def _switch_off(stage: str) -> None:
         raise SystemExit(f"convert_stages: unknown stage {stage!r}; one of {', '.join(STAGES)}")
 
 
-def child(src: Path, dst: Path, stage: str, opts: dict[str, Any]) -> dict[str, Any]:
+def child(src: Path, dst: Path, stage: str, opts: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     import atom_convert
 
-    _switch_off(stage)
+    _switch_off(stage, variants)
     t0 = time.perf_counter()
-    atom_convert.convert(src, dst, progress=False, **opts)
+    manifest = atom_convert.convert(src, dst, progress=False, **opts)
     wall = time.perf_counter() - t0
+    digests = [f["sha256"] for name, f in manifest.get("files", {}).items() if name.endswith(".safetensors")]
     ru_s, ru_c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"stage": stage, "convert_seconds": wall,
+    return {"stage": stage, "convert_seconds": wall, "files": len(digests),
+            "digests_void": bool(digests) and all(d == "0" * 64 for d in digests),
             "user_seconds": ru_s.ru_utime + ru_c.ru_utime, "sys_seconds": ru_s.ru_stime + ru_c.ru_stime}
 
 
@@ -106,17 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--out", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.CLASS.OPTION=VALUE[,...]",
+                    help="an extra stage: the full conversion with these options (bench_convert's --variant)")
     ap.add_argument("--child", nargs=2, metavar=("DST", "STAGE"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_convert import parse_variant
+
+    variants = dict(parse_variant(v) for v in a.variant)
     workers = a.workers or len(os.sched_getaffinity(0))
     opts = {"target": a.target, "tp": a.tp, "workers": workers}
     if a.child:
-        res = child(a.src, Path(a.child[0]), a.child[1], opts)
+        res = child(a.src, Path(a.child[0]), a.child[1], opts, variants)
         print("RESULT " + json.dumps(res), flush=True)
         os._exit(0)  # as the installed command ends (no interpreter teardown)
-    stages = [s for s in a.stages.split(",") if s]
+    stages = [s for s in a.stages.split(",") if s] + [v for v in variants if v not in a.stages.split(",")]
     for s in stages:
-        if s not in STAGES:
+        if s not in STAGES and s not in variants:
             ap.error(f"unknown stage {s!r}; one of {', '.join(STAGES)}")
     n = source_bytes(a.src)
     results: list[dict[str, Any]] = []
@@ -126,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             prewarm(a.src)
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, __file__, str(a.src), "--target", a.target, "--tp", str(a.tp),
-                                "--workers", str(workers), "--child", str(dst), s],
+                                "--workers", str(workers), "--child", str(dst), s]
+                               + [x for v in a.variant for x in ("--variant", v)],
                                capture_output=True, text=True)
             wall = time.perf_counter() - t0
             shutil.rmtree(dst, ignore_errors=True)

@@ -162,3 +162,20 @@ def test_bench_k25_source_names_bytes_and_conversions(tmp_path: Path) -> None:
         assert (set(m["dropped"]), carried) == ((vision, set()) if profile == "atom" else (set(), vision))
         r = verify(dst, src)
         assert r.ok, r.failures
+
+
+def test_convert_stages_switches_off_what_it_names(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """bench/convert_stages.py runs every stage and a --variant, each in its own process: the full run and
+    the variant hash their shards, the no-hash run does not; every output is removed afterwards."""
+    src = tiny_checkpoint(PRESET, "fp8")
+    out = tmp_path / "stages.json"
+    text = _run("bench/convert_stages.py", str(src), "--tp", "2", "--workers", "2", "--runs", "1",
+                "--out", str(tmp_path), "--variant", "nice0:atom_convert.engine.procs.WorkerProcesses.nice=0",
+                "--json", str(out))
+    rec = json.loads(out.read_text())
+    by = {r["stage"]: r for r in rec["runs"]}
+    assert set(by) == {"full", "hash-pread", "no-hash", "no-checks", "no-write", "nice0"}, text
+    assert all(r["files"] >= 2 for r in rec["runs"])
+    assert by["no-hash"]["digests_void"] and not by["full"]["digests_void"] and not by["nice0"]["digests_void"]
+    assert not by["hash-pread"]["digests_void"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stages.json"]  # the outputs are gone

@@ -49,6 +49,13 @@ from .workers import Budget, Item, first_error
 
 STOP_WAIT_S = 10.0  # after a stop, how long running workers may take to notice before they are killed
 START_TIMEOUT_S = 60.0  # from the fork to "ready"
+# Niceness the worker processes add to their own. Why: the shards' hashing threads run in the
+# converting process and can only hash what the workers have written; with every core busy in a
+# worker, they fell behind and hashed most of the output after the last item (the device machine,
+# DeepSeek-V3.2 width, 16 workers: last item at 2.44 s, shards sealed at 3.63-3.82 s). At a lower
+# priority the workers yield the cores the hashing threads need as the bytes come (BENCHMARKS.md,
+# fourteenth round).
+WORKER_NICE = 5
 _POLL_S = 0.2
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -107,10 +114,15 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _child(conn: Any, inherited: list[Any], start: Callable[[Send], Any], run: Callable[[Any, Any], Any],
-           end: Callable[[Any, bool], None], stop: SharedFlag, parent: int, mask: Any) -> None:
+           end: Callable[[Any, bool], None], stop: SharedFlag, parent: int, mask: Any, nice: int) -> None:
     for c in inherited:  # the parent's ends of the pipes: not this process's to hold
         c.close()
     _die_with_parent(parent)
+    if nice:
+        try:
+            os.nice(nice)  # WORKER_NICE
+        except OSError:
+            pass
     for s in _SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -165,7 +177,8 @@ class WorkerProcesses:
     """
 
     def __init__(self, n: int, *, start: Callable[[Send], Any], run: Callable[[Any, Any], Any],
-                 end: Callable[[Any, bool], None], stop: SharedFlag, start_timeout: float | None = None):
+                 end: Callable[[Any, bool], None], stop: SharedFlag, start_timeout: float | None = None,
+                 nice: int = WORKER_NICE):
         ctx = multiprocessing.get_context("fork")
         self.stop = stop
         self.procs: list[Any] = []
@@ -183,7 +196,7 @@ class WorkerProcesses:
                 warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
                 for i in range(n):
                     here, there = ctx.Pipe(duplex=True)
-                    args = (there, self.conns + [here], start, run, end, stop, parent, mask)
+                    args = (there, self.conns + [here], start, run, end, stop, parent, mask, nice)
                     p = ctx.Process(target=_child, args=args, name=f"atom-convert-worker-{i}", daemon=True)
                     p.start()
                     there.close()
