@@ -19,7 +19,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import BadInputError
@@ -34,17 +33,17 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # >= the second (the sign bit on top). So two integer max reductions find one, and numpy's
 # integer max runs at 2-3x the speed of torch's float aminmax (8 against 4.7 GB/s for bf16 on
 # one core of the 2-core box, 4.6 against 1.8 on a strided slice).
-_NONFINITE_BITS: dict[torch.dtype, tuple[Any, Any, int, int]] = {
-    torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0xFF80),
-    torch.float16: (torch.int16, np.uint16, 0x7C00, 0xFC00),
-    torch.float32: (torch.int32, np.uint32, 0x7F800000, 0xFF800000),
+_NONFINITE_BITS: dict[torch.dtype, tuple[torch.dtype, str, int, int]] = {
+    torch.bfloat16: (torch.int16, "uint16", 0x7F80, 0xFF80),
+    torch.float16: (torch.int16, "uint16", 0x7C00, 0xFC00),
+    torch.float32: (torch.int32, "uint32", 0x7F800000, 0xFF800000),
 }
 
 
 def _has_nonfinite(t: torch.Tensor) -> bool:
     """True when `t` (a dtype of _NONFINITE_BITS, any strides) holds a NaN or an infinity."""
     signed, unsigned, pos, neg = _NONFINITE_BITS[t.dtype]
-    a = t.view(signed).numpy()
+    a = t.view(signed).numpy()  # numpy is imported here, by torch, not when atom_convert is
     return int(a.max()) >= pos or int(a.view(unsigned).max()) >= neg
 
 
