@@ -4,7 +4,7 @@ Each run is a fresh subprocess converting SRC (read into the page cache first) i
 under --out (default /dev/shm), with all stages on ("full") or one of them replaced by a no-op:
 - "hash-pread": not a no-op: the hashing threads read the written bytes back with preadv instead
   of through a mapping (ShardSetWriter's hash_from_map=False);
-- "no-hash": the shards' sha256 (the hashing threads read nothing, the manifest's digests are void);
+- "no-hash": the shards' digest (the hashing threads read nothing, the manifest's digests are void);
 - "no-checks": the source value checks (files/values.py: NaN/Inf, fp8 NaN codes, scales);
 - "no-write": the shards' pwrite (only each buffer's last byte is written, so the files have their
   size but are sparse; hashing then reads holes).
@@ -34,7 +34,7 @@ STAGES = ("full", "hash-pread", "no-hash", "no-checks", "no-write")
 
 
 class _NoHash:
-    """Stands in for hashlib.sha256 in the writer: digests nothing."""
+    """Stands in for the writer's file digest (store/digest.py): digests nothing."""
 
     def __init__(self, data: bytes = b"") -> None:
         pass
@@ -56,9 +56,11 @@ def _switch_off(stage: str, variants: dict[str, dict[str, Any]]) -> None:
 
         apply_variant(variants[stage])
     elif stage == "no-hash":
-        class _Hashlib:  # the writer's `hashlib`, with sha256 replaced
-            sha256 = _NoHash
-        writer.hashlib = _Hashlib  # type: ignore[assignment]
+        class _Digest:  # the writer's `digest` module, with new() replaced
+            @staticmethod
+            def new(algorithm: str = "") -> _NoHash:
+                return _NoHash()
+        writer.digest = _Digest  # type: ignore[assignment]
     elif stage == "hash-pread":
         sys.path.insert(0, str(REPO / "bench"))
         from bench_convert import apply_variant
@@ -85,7 +87,8 @@ def child(src: Path, dst: Path, stage: str, opts: dict[str, Any], variants: dict
     t0 = time.perf_counter()
     manifest = atom_convert.convert(src, dst, progress=False, **opts)
     wall = time.perf_counter() - t0
-    digests = [f["sha256"] for name, f in manifest.get("files", {}).items() if name.endswith(".safetensors")]
+    digests = [next(v for k, v in f.items() if k != "bytes") for name, f in manifest.get("files", {}).items()
+               if name.endswith(".safetensors")]
     ru_s, ru_c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return {"stage": stage, "convert_seconds": wall, "files": len(digests),
             "digests_void": bool(digests) and all(d == "0" * 64 for d in digests),

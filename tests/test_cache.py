@@ -299,7 +299,7 @@ def test_remote_code_carried(tiny_checkpoint, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     atom_convert.convert(src, dst, target="gfx950")
     assert {"configuration_kimi.py", "tokenization_kimi.py", "kimi_vocab.py"} <= set(os.listdir(dst))
-    assert check_files(dst).ok  # carried files are listed (size, sha256) in the manifest
+    assert check_files(dst).ok  # carried files are listed (size, digest) in the manifest
     shutil.rmtree(src)  # DST alone
     c = transformers.AutoConfig.from_pretrained(dst, trust_remote_code=True)
     assert type(c).__name__ == "KimiK2TestConfig" and c.hidden_size == cfg["hidden_size"]
@@ -325,7 +325,7 @@ def _dotdot_rank_file(m: dict) -> None:
 
 
 def _dotdot_files(m: dict) -> None:
-    m["files"]["../../outside.safetensors"] = {"bytes": 4, "sha256": "0" * 64}
+    m["files"]["../../outside.safetensors"] = {"bytes": 4, "blake3": "0" * 64}
 
 
 @pytest.mark.parametrize("edit", [_future, _dotdot_rank_file, _dotdot_files], ids=["future-format", "rank-file-out",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -562,7 +563,7 @@ def test_io_thread_failure_keeps_only_sealed_shards(tiny_checkpoint: Callable[..
     journal = [json.loads(x) for x in (staging / ".atom-journal.jsonl").read_text().splitlines()[1:]]
     assert len(journal) >= 1 and {staging / e["sealed"] for e in journal} == {p for p in files if p.suffix == ".safetensors"}
     for e in journal:
-        assert hashlib.sha256((staging / e["sealed"]).read_bytes()).hexdigest() == e["sha256"]
+        assert blake3.blake3((staging / e["sealed"]).read_bytes()).hexdigest() == e["blake3"]
     monkeypatch.undo()
     atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
     assert leftovers(dst) == []

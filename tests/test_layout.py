@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 from safetensors import safe_open
@@ -525,7 +526,7 @@ def test_manifest_files_sizes_and_hashes(case: Case):
     for rel, meta in m["files"].items():
         p = case.out / rel
         assert p.stat().st_size == meta["bytes"], rel
-        assert hashlib.sha256(p.read_bytes()).hexdigest() == meta["sha256"], rel
+        assert blake3.blake3(p.read_bytes()).hexdigest() == meta["blake3"], rel
     if case.src.n_mtp:
         mm = json.loads((case.out / "mtp" / MANIFEST).read_text())
         assert m["mtp"]["status"] == "converted" and m["mtp"]["path"] == "mtp"

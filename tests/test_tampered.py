@@ -3,7 +3,7 @@ header-edited or manifest-edited, and module trees that lack or add a parameter.
 every reader of a converted directory (verify's integrity check, inspect, `load_into`,
 `open_converted`) and must be refused as bad input (a BadInputError, exit code 2) naming the file,
 the tensor or entry, and what is wrong, or, where a reader is not the one to catch it, pass
-harmlessly (a flipped tensor byte is verify's sha256 check's to catch, not the loader's).
+harmlessly (a flipped tensor byte is verify's digest check's to catch, not the loader's).
 
 Nothing outside a converted directory is read: a manifest that names `../x`, an absolute path or a
 symlink leading out is refused before anything is opened (store/manifest.check_manifest)."""
@@ -29,6 +29,7 @@ from atom_convert.check.inspect import describe
 from atom_convert.check.tensors import check_files
 from atom_convert.errors import BadInputError, ConvertedCheckError
 from atom_convert.serve.load import LoadMismatchError
+from atom_convert.store.digest import file_digest
 from atom_convert.store.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, sha256_file
 
 PRESET, FMT, TARGET = "tiny-deepseek-v3", "bf16", "gfx950"
@@ -70,9 +71,9 @@ def join_shard(p: Path, header_text: str, data: bytes) -> None:
 
 
 def reseal(d: Path, rel: str) -> None:
-    """Record the file's new size and sha256 in the manifest: only the header checks can catch it then."""
+    """Record the file's new size and digest in the manifest: only the header checks can catch it then."""
     edit_manifest(d, lambda m: m["files"].__setitem__(rel, {"bytes": (d / rel).stat().st_size,
-                                                           "sha256": sha256_file(d / rel)}))
+                                                           "blake3": file_digest(d / rel)}))
 
 
 def edit_header(d: Path, edit: Callable[[dict[str, Any]], str | None]) -> None:
@@ -135,10 +136,10 @@ def _flipped(d: Path, outside: Path) -> Case:
     raw = bytearray((d / rel).read_bytes())
     raw[len(raw) - 10] ^= 0x5A
     (d / rel).write_bytes(bytes(raw))
-    return Case([rel, "sha256"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
+    return Case([rel, "blake3"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
 
 
-# shard headers (the manifest's sizes and sha256 resealed, so that the header checks must catch them)
+# shard headers (the manifest's sizes and digests resealed, so that the header checks must catch them)
 
 
 @case("header-dtype-edited")
@@ -256,7 +257,7 @@ def _m_unknown(d: Path, outside: Path) -> Case:
 
 
 def _outside_copy(d: Path, outside: Path) -> str:
-    """A copy of the shard outside the directory, with the manifest's sha256 (so only the path is wrong)."""
+    """A copy of the shard outside the directory, with the manifest's digest (so only the path is wrong)."""
     rel = shard(d)
     shutil.copy(d / rel, outside / "stolen.safetensors")
     return rel
@@ -295,7 +296,7 @@ def _m_absolute(d: Path, outside: Path) -> Case:
 def _m_files_dotdot(d: Path, outside: Path) -> Case:
     (outside / "secret.txt").write_text("not yours")
     bad = f"../{outside.name}/secret.txt"
-    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "sha256": sha256_file(outside / "secret.txt")}))
+    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "blake3": file_digest(outside / "secret.txt")}))
     return Case([MANIFEST_NAME, f"files[{bad!r}]", "'..'"], error=ConvertedCheckError)
 
 

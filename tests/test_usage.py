@@ -196,7 +196,7 @@ def test_failed_verify_exits_3_internal_error_1(conv: Path, tmp_path: Path, caps
 
     dst = tmp_path / "dst"
     shutil.copytree(conv, dst)
-    (dst / "config.json").write_text("{}")  # a copied side file that no longer matches its sha256
+    (dst / "config.json").write_text("{}")  # a copied side file that no longer matches its digest
     code, out, err = run_cli(["verify", dst], capsys)
     assert code == 3, out + err
     assert "FAIL config.json" in out and out.strip().endswith("1 problem(s)"), out

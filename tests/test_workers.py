@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import blake3
 import pytest
 
 import atom_convert
@@ -106,11 +107,11 @@ def test_output_identical_for_any_number_of_workers(sources: Callable[..., Path]
 
 
 @pytest.mark.parametrize("from_map", [True, False], ids=["mapped", "read-back"])
-def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_path: Path,
+def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch, from_map: bool) -> None:
     """The hashing threads follow the written prefix through a mapping of the file (or read it back):
-    with windows of an odd size, so that most start inside a page, every shard's sha256 in the
-    manifest is hashlib's over the file as written, for workers in processes and in threads."""
+    with windows of an odd size, so that most start inside a page, every shard's digest in the
+    manifest is the blake3 package's over the file as written, for workers in processes and in threads."""
     from atom_convert.engine import writer
 
     convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
@@ -130,7 +131,7 @@ def test_manifest_sha256_is_each_files_own(sources: Callable[..., Path], tmp_pat
         shards = {k: v for k, v in m["files"].items() if k.endswith(".safetensors")}
         assert len(shards) > 8
         for rel, meta in shards.items():
-            assert meta["sha256"] == hashlib.sha256((dst / rel).read_bytes()).hexdigest(), (workers, rel)
+            assert meta["blake3"] == blake3.blake3((dst / rel).read_bytes()).hexdigest(), (workers, rel)
     shards = [sh for w in made for sh in w._open.values()]
     assert shards and all(sh.hash_from_map is from_map and sh.hash_read == 12345 for sh in shards)
 

@@ -1,6 +1,6 @@
 """Checks of a converted directory.
 
-`check_files`: every file's size and sha256 against the manifest, every
+`check_files`: every file's size and digest (store/digest.py) against the manifest, every
 tensor's name, dtype and shape in the shard headers against its entry.
 `check_values`: decodes the converted tensors back into source space (undo the
 shuffle, decode fp8 incl. fnuz, apply scales, undo the fusion/stacking) and
@@ -21,7 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..store.manifest import Manifest, read_manifest, sha256_file
+from ..store import digest
+from ..store.manifest import Manifest, read_manifest
 from ..layout.parallel import Split
 from ..files.dtypes import ST_DTYPE, dtype_from_name
 from .decode import decode_mla, decode_weight, scale_name, source_value, unpad_moe
@@ -61,7 +62,7 @@ _FIX_HEADER = "The file or the manifest was edited or replaced: convert again (a
 
 
 def check_files(path: str | Path, report: CheckReport | None = None) -> CheckReport:
-    """Every file the manifest lists: size and sha256; every shard's safetensors header (read and
+    """Every file the manifest lists: size and digest; every shard's safetensors header (read and
     validated: files/safetensors.read_header) against the manifest's entries for that file: each
     tensor of the header listed exactly once, with the header's dtype and shape, and each entry
     naming the file present in it. Problems are collected in the report (the manifests
@@ -79,9 +80,9 @@ def check_files(path: str | Path, report: CheckReport | None = None) -> CheckRep
         if size != meta["bytes"]:
             report.problems.append(f"{rel}: {size} bytes, the manifest says {meta['bytes']} (truncated or replaced)")
             continue
-        digest = sha256_file(p)
-        if digest != meta["sha256"]:
-            report.problems.append(f"{rel}: sha256 {digest[:16]}..., the manifest says {meta['sha256'][:16]}... (corrupted)")
+        differs = digest.mismatch(p, meta)
+        if differs:
+            report.problems.append(f"{rel}: {differs} (corrupted)")
         report.files_checked += 1
     for root, m in sets:
         _check_headers(path, root, m, report)

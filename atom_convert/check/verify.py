@@ -1,7 +1,7 @@
 """`atom-convert verify`: does a converted directory compute what its source computes?
 
 How it works:
-1. Integrity: every file's size and sha256, every tensor's dtype and shape
+1. Integrity: every file's size and digest, every tensor's dtype and shape
    (check.check_files).
 2. With a source: every converted tensor decoded back and compared with the
    source tensors it came from (check.check_values): names the tensor that is

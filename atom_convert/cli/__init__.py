@@ -294,7 +294,7 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def verify(dst: Path, source: Path | None, layers: list[int] | None, tokens: int, device: str, through_loader: bool,
            as_json: bool) -> None:
-    """Check a converted directory: file sizes and sha256, tensor names/dtypes/shapes; with
+    """Check a converted directory: file sizes and digests, tensor names/dtypes/shapes; with
     --source also every tensor's decoded values and a layer-by-layer forward against
     transformers' model of the source. Exits 3 when a check or threshold fails (2: bad usage)."""
     from ..check.verify import check_device, verify as run_verify
@@ -352,7 +352,7 @@ def _report(r: Any, as_json: bool, dst: Path) -> None:
 def upload(dst: Path, repo_id: str, private: bool, revision: str | None, create_pr: bool, base_model: str | None,
            dry_run: bool) -> None:
     """Publish the converted directory DST to the Hub repo REPO_ID with a model card (README.md).
-    DST's files must match its manifest (sizes and sha256). Re-running after an interruption
+    DST's files must match its manifest (sizes and digests). Re-running after an interruption
     skips the files the Hub already holds. HF_TOKEN (or `hf auth login`) gives write access."""
     from ..hub.publish import upload as run_upload
 

@@ -46,7 +46,8 @@ from . import procs
 from . import workers as workers_mod
 from ..errors import BadInputError, Interrupted
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
-from ..store.manifest import MANIFEST_NAME, WrittenFile, build_manifest, sha256_file, write_manifest
+from ..store import digest
+from ..store.manifest import MANIFEST_NAME, WrittenFile, build_manifest, write_manifest
 from ..layout.options import ConversionOptions, parse_size
 from .planning import MTP_DIR, SetLayout, layout_shards, make_plan, planned_shards
 from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
@@ -274,7 +275,7 @@ def _copy_side_files(src: Path, dst: Path, requant: dict[str, Any] | None = None
             (dst / name).write_text(json.dumps(cfg, indent=2) + "\n")
         else:
             shutil.copy2(p, dst / name)
-        copied[name] = {"bytes": (dst / name).stat().st_size, "sha256": sha256_file(dst / name)}
+        copied[name] = {"bytes": (dst / name).stat().st_size, digest.WRITTEN: digest.file_digest(dst / name)}
     return copied
 
 

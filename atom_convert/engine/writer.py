@@ -15,13 +15,13 @@ How it works:
 2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
    which `pwrite`s them at their offsets and marks the byte range done.
 3. A shard's hashing thread follows the contiguous done prefix of its file and
-   feeds sha256 by reading the bytes back with `preadv` (they are in the page
+   feeds the file's digest (store/digest.py: BLAKE3) by reading the bytes back with `preadv` (they are in the page
    cache: just written). Hashing never waits for the order of production, and
    the files hash in parallel (file writes, reads and hashlib release the GIL).
    When the prefix reaches the end, the thread fsyncs and seals the file.
 4. Crash safety: a shard is written under `<name>.partial` and sealed once its last byte
    is written and hashed: fsynced, renamed to its final name, the directory fsynced, and
-   its size and sha256 appended to the staging journal (staging.py). A killed run leaves
+   its size and digest appended to the staging journal (staging.py). A killed run leaves
    only sealed shards (kept by a resume) and `.partial` files (removed by it). `abort()`
    never waits long: threads are joined with timeouts, so Ctrl-C cannot hang on a stuck write.
 The files are plain safetensors: `safe_open` reads them.
@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import AtomConvertError
+from ..store import digest
 from ..store.manifest import WrittenFile
 from ..layout.plan import OutTensor, ShardPlan
 from ..store.lock import kind_of, refuse_foreign
@@ -178,7 +179,7 @@ class ShardFile(_ShardIO):
         self.frontier = 0  # bytes [0, frontier) are written
         self.nbytes = 0  # bytes written (any order)
         self.hashed = 0
-        self.sha = hashlib.sha256()
+        self.sha = digest.new()  # the file's digest (store/digest.py), fed in order by hash_and_seal
         self.aborted = False
         self.error: BaseException | None = None
         self.closed = False
@@ -198,7 +199,7 @@ class ShardFile(_ShardIO):
                 self.cond.notify_all()
 
     def hash_and_seal(self) -> None:
-        """The hashing thread: sha256 of the written prefix as it grows; then fsync and seal."""
+        """The hashing thread: the digest of the written prefix as it grows; then fsync and seal."""
         try:
             view = None if self.hash_from_map else memoryview(bytearray(min(self.hash_read, max(self.size, 1))))
             while self.hashed < self.size:
@@ -229,7 +230,7 @@ class ShardFile(_ShardIO):
             self.close_fd()
 
     def _hash_mapped(self, n: int) -> int:
-        """sha256 of the next n written bytes, read through a read-only mapping of them: the page
+        """The digest of the next n written bytes, read through a read-only mapping of them: the page
         cache's pages themselves, where reading them back (preadv) copies every byte once more
         (60-61 against 64-67 CPU-s for a 15.8 GB conversion on the 2-core box, BENCHMARKS.md, issue 9,
         sixth round).
@@ -276,7 +277,7 @@ class ShardSetWriter:
     bytes land at the offset the plan gives it.
 
     `fault`: a test's fault hook (FaultHook), None in production. How the hashing threads read
-    the written bytes (the same sha256 either way; benches compare them): `hash_from_map`
+    the written bytes (the same digest either way; benches compare them): `hash_from_map`
     through a read-only mapping of the file (the default), else read back with preadv;
     `hash_read` bytes at a time.
     """
@@ -438,7 +439,7 @@ class ShardSetWriter:
         for p in self.plans:
             if p.file in self.kept:
                 k = self.kept[p.file]
-                files.append(WrittenFile(p.file, k.nbytes, k.sha256))
+                files.append(WrittenFile(p.file, k.nbytes, k.digest))
                 continue
             sh = self._open[p.file]
             if sh.sealed is None or sh.hashed != sh.size or sh.nbytes != sh.size:
@@ -447,7 +448,7 @@ class ShardSetWriter:
             size = sh.final.stat().st_size
             if size != sh.size:
                 raise AtomConvertError(f"internal: {p.file} has {size} bytes on disk, {sh.size} planned")
-            files.append(WrittenFile(p.file, sh.size, sh.sealed.sha256))
+            files.append(WrittenFile(p.file, sh.size, sh.sealed.digest))
         return files
 
     def abort(self, timeout: float = 10.0) -> None:

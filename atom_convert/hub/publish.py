@@ -190,7 +190,7 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
            token: str | None = None) -> UploadResult:
     """Publish a converted directory to the Hub with a model card.
 
-    Refuses a directory whose files do not match its manifest (sizes and sha256). Creates `repo_id`
+    Refuses a directory whose files do not match its manifest (sizes and digests). Creates `repo_id`
     when missing (`private` applies then), uploads the manifest's files with `upload_folder` (re-running
     after an interruption skips what the Hub already holds), then writes README.md.
     `base_model` defaults to the source repo id recorded in the manifest.

@@ -98,7 +98,7 @@ def _pull_into(dst: Path) -> Iterator[Path]:
 
 def pull_converted(repo: str, key: str, dst: str | Path) -> dict[str, Any] | None:
     """Download the converted repo `repo` (`org/name[@revision]`) into `dst` when its manifest carries
-    `key`; every file is then checked against the manifest (size, sha256). Returns the manifest, or
+    `key`; every file is then checked against the manifest (size, digest). Returns the manifest, or
     None (logged with the reason) when the repo is missing or holds another conversion.
     `dst` is staged beside itself and appears only complete."""
     from huggingface_hub import hf_hub_download, snapshot_download

@@ -39,6 +39,7 @@ from ..errors import ConvertedCheckError
 from ..layout.parallel import REPLICATED, ParallelLayout, Split
 from ..files.dtypes import FP8_DTYPE_BY_TARGET, dtype_name
 from ..files.safetensors import no_duplicates
+from . import digest
 from .lock import refuse_foreign
 from .manifest_checks import (_FIX_AGAIN, _FIX_PATHS, FORMAT_VERSION, READABLE_VERSIONS,  # noqa: F401 (re-exported)
                               _confined, _own_root, _refuse, _resolved, _v1_split, check_manifest,
@@ -51,11 +52,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class WrittenFile:
-    """A file of the converted set as the manifest lists it: path relative to the set, size, sha256."""
+    """A file of the converted set as the manifest lists it: path relative to the set, size, and its
+    digest (store/digest.py's WRITTEN algorithm, hex)."""
 
     name: str
     nbytes: int
-    sha256: str
+    digest: str
 
 
 MANIFEST_NAME = "atom_manifest.json"
@@ -67,6 +69,8 @@ LAYOUT_REVISION = 1
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """sha256 of a file: a source's identity (config.json, the index; the Hub's LFS oids); a converted
+    set's files carry store/digest.py's digest."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while b := f.read(chunk):
@@ -223,7 +227,7 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
         if name:
             p = src.path / name
             index_files[name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    out_files = {f.name: {"bytes": f.nbytes, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)}
+    out_files = {f.name: {"bytes": f.nbytes, digest.WRITTEN: f.digest} for f in sorted(files, key=lambda f: f.name)}
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
@@ -278,7 +282,8 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
             for f, meta in sub["files"].items():
                 manifest["files"][f"{mtp_dir.name}/{f}"] = meta
             mp = mtp_dir / MANIFEST_NAME
-            manifest["files"][f"{mtp_dir.name}/{MANIFEST_NAME}"] = {"bytes": mp.stat().st_size, "sha256": sha256_file(mp)}
+            manifest["files"][f"{mtp_dir.name}/{MANIFEST_NAME}"] = {"bytes": mp.stat().st_size,
+                                                                     digest.WRITTEN: digest.file_digest(mp)}
         elif plan.mtp_status == "dropped by --no-mtp":
             manifest["mtp"] = {"status": "dropped", "reason": "--no-mtp"}
         elif plan.mtp_status == "not in the checkpoint":

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     pass
 
 
-FORMAT_VERSION = 2  # the version this code writes (store/manifest.py re-exports it)
-READABLE_VERSIONS = (1, 2)
+# the version this code writes (store/manifest.py re-exports it); 3: files carry a BLAKE3 digest, not
+# sha256 (store/digest.py), which versions 1 and 2 carry and which is still checked as it is
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 # ------------------------------------------------------------------------------------------------
 # Checking a manifest before anything reads it (a damaged, hand-edited or hostile manifest is bad
@@ -35,7 +37,7 @@ _FIX_VERSION = ("upgrade atom-convert (pip install -U atom-convert) to read it, 
                 "with this version (atom-convert convert SRC DST --force)")
 SPLIT_KINDS = ("replicated", "dim", "heads", "experts")
 PLACEMENTS = ("per_rank", "common")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HEX256 = re.compile(r"^[0-9a-f]{64}$")  # a sha256 or BLAKE3 digest
 
 
 def converted_error(problems: list[str], fix: str, listed: bool = False) -> ConvertedCheckError:
@@ -302,14 +304,15 @@ def check_manifest(p: Path, m: Any, directory: Path) -> None:
         c.field(m["model"], "model", "moe_layers", _is_str_map, "an object of layer -> kind")
     tensors_ok = c.field(m, "", "tensors", lambda v: isinstance(v, dict), "an object of tensor name -> entry")
     c.field(m, "", "aliases", _is_str_map, "an object of alias -> tensor name", required=False)
-    if c.field(m, "", "files", lambda v: isinstance(v, dict), "an object of file name -> bytes, sha256"):
+    digest_key = "blake3" if version >= 3 else "sha256"  # store/digest.py
+    if c.field(m, "", "files", lambda v: isinstance(v, dict), f"an object of file name -> bytes, {digest_key}"):
         for rel, meta in m["files"].items():
             where = f"files[{rel!r}]"
             if not isinstance(meta, dict):
-                c.problems.append(f"{where} is {json_kind(meta)}, expected an object (bytes, sha256)")
+                c.problems.append(f"{where} is {json_kind(meta)}, expected an object (bytes, {digest_key})")
                 continue
             c.field(meta, where, "bytes", _is_int, "an integer >= 0")
-            c.field(meta, where, "sha256", lambda v: isinstance(v, str) and bool(_SHA256.match(v)), "64 hex digits")
+            c.field(meta, where, digest_key, lambda v: isinstance(v, str) and bool(_HEX256.match(v)), "64 hex digits")
     c.field(m, "", "dropped", lambda v: isinstance(v, dict), "an object of source tensor -> reason", required=False)
     c.field(m, "", "copied_files", _is_strs, "a list of file names", required=False)
     if c.field(m, "", "mtp", lambda v: isinstance(v, dict), "an object (status, path)", required=False):
@@ -350,7 +353,7 @@ def check_manifest(p: Path, m: Any, directory: Path) -> None:
         for r, f in enumerate(e["rank_files"]):
             if f not in m["files"]:
                 unlisted.setdefault(f, f"tensors[{name!r}].rank_files[{r}]")
-    c.problems += [f"{where} names {f!r}, which the files list lacks (its size and sha256 are not recorded)"
+    c.problems += [f"{where} names {f!r}, which the files list lacks (its size and digest are not recorded)"
                    for f, where in unlisted.items()]
     if c.problems:
         raise _refuse(p, c.problems, _FIX_AGAIN)

@@ -11,8 +11,8 @@ How it works:
 3. `Staging`: everything is written under `.DST.atom-partial/` beside DST, a stable name so
    that the next run finds it. Its journal (`.atom-journal.jsonl`, fsynced) starts with the
    source and options fingerprints and the plan digest, then gets one line per sealed shard
-   (file, size, sha256, the digest of its planned header). A rerun with the same
-   fingerprints keeps the sealed shards whose size and sha256 still match and redoes the
+   (file, size, digest (store/digest.py), the sha256 of its planned header). A rerun with the same
+   fingerprints keeps the sealed shards whose size and digest still match and redoes the
    rest; one with other fingerprints is refused, naming what changed.
 4. `Staging.commit` writes nothing itself: it removes the journal, then renames the staging
    directory to DST (an old DST is first moved to `.DST.atom-old` and put back if the
@@ -51,7 +51,8 @@ from ..files.safetensors import is_side_name
 from .fingerprint import Fingerprint
 # FileLock: also imported from here (engine/cache.py)
 from .lock import FileLock, ForeignPathError, Notify, kind_of, open_nofollow, refuse_foreign
-from .manifest import MANIFEST_NAME, sha256_file
+from . import digest
+from .manifest import MANIFEST_NAME
 
 STAGING_SUFFIX = ".atom-partial"
 LOCK_SUFFIX = ".atom-lock"
@@ -249,16 +250,18 @@ class DestinationLock(FileLock):
 
 @dataclass(frozen=True)
 class Sealed:
-    """A shard that is complete on disk: relative path (posix, from the staging root), size, sha256,
-    and the sha256 of its planned header (names, dtypes, shapes, offsets)."""
+    """A shard that is complete on disk: relative path (posix, from the staging root), size, its
+    digest (`algorithm`, hex: store/digest.py), and the sha256 of its planned header (names, dtypes,
+    shapes, offsets)."""
 
     file: str
     nbytes: int
-    sha256: str
+    digest: str
     plan: str
+    algorithm: str = digest.WRITTEN
 
     def as_json(self) -> str:
-        return json.dumps({"sealed": self.file, "bytes": self.nbytes, "sha256": self.sha256, "plan": self.plan})
+        return json.dumps({"sealed": self.file, "bytes": self.nbytes, self.algorithm: self.digest, "plan": self.plan})
 
 
 class Journal:
@@ -299,7 +302,8 @@ def _entries_of(lines: list[str]) -> list[Sealed]:
     for line in lines:
         try:
             d = json.loads(line)
-            entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), str(d["sha256"]), str(d["plan"])))
+            algorithm, hexdigest = digest.entry_digest(d)
+            entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), hexdigest, str(d["plan"]), algorithm))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return entries
@@ -521,7 +525,7 @@ class Staging:
         for e in latest.values():
             p = r / e.file
             if (planned.get(e.file) == e.plan and e.file in contents.files
-                    and p.stat().st_size == e.nbytes and sha256_file(p) == e.sha256):
+                    and p.stat().st_size == e.nbytes and digest.file_digest(p, e.algorithm) == e.digest):
                 kept.append(e)
         keep = {e.file for e in kept} | {JOURNAL_NAME}
         for rel in contents.files:  # unsealed, unrecorded or damaged: redone
