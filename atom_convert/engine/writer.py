@@ -93,10 +93,7 @@ class _Piece:
     data: Any  # a buffer (numpy byte view or bytes)
 
 
-# default window of the hashing threads (ShardSetWriter's hash_read): large enough that one update is
-# hashed on every core (store/digest.py) when a shard is complete before its thread reaches it
-HASH_READ_BYTES = 32 << 20
-HASH_BATCH_BYTES = 8 << 20  # default hash_batch (ShardSetWriter's docstring)
+HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWriter's hash_read)
 
 
 
@@ -169,12 +166,11 @@ class ShardFile(_ShardIO):
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
                  journal: Journal, fault: FaultHook | None = None, *, hash_from_map: bool = True,
-                 hash_read: int = HASH_READ_BYTES, hash_batch: int = HASH_BATCH_BYTES):
+                 hash_read: int = HASH_READ_BYTES):
         _unlink_own_leftover(root / rel, PARTIAL_SUFFIX)
         super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         self.hash_from_map = hash_from_map  # ShardSetWriter's docstring
         self.hash_read = hash_read
-        self.hash_batch = hash_batch  # ShardSetWriter's docstring
         self.header = header
         self.size = size  # header + data
         self.journal = journal
@@ -208,9 +204,7 @@ class ShardFile(_ShardIO):
             view = None if self.hash_from_map else memoryview(bytearray(min(self.hash_read, max(self.size, 1))))
             while self.hashed < self.size:
                 with self.cond:
-                    # hash_batch bytes at a time (the tail excepted): ShardSetWriter's docstring
-                    while (self.frontier - self.hashed < min(self.hash_batch, self.size - self.hashed)
-                           and not self.aborted):
+                    while self.frontier <= self.hashed and not self.aborted:
                         self.cond.wait(0.5)
                     if self.aborted:
                         return
@@ -285,21 +279,16 @@ class ShardSetWriter:
     `fault`: a test's fault hook (FaultHook), None in production. How the hashing threads read
     the written bytes (the same digest either way; benches compare them): `hash_from_map`
     through a read-only mapping of the file (the default), else read back with preadv;
-    `hash_read` bytes at a time; a hashing thread waits until `hash_batch` more bytes are written
-    (or the file is complete) before it hashes: a thread that kept pace with the writers piece by
-    piece would map and unmap a few KB per call, and each unmap interrupts the cores that write
-    (a TLB shootdown); the device machine showed no difference either way (2.71-2.75 s, BENCHMARKS.md
-    fifteenth round), the 2-core box was too busy to tell.
+    `hash_read` bytes at a time.
     """
 
     def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
                  journal: Journal, kept: dict[str, Sealed] | None = None,
                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
-                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES,
-                 hash_batch: int = HASH_BATCH_BYTES):
-        if hash_read <= 0 or hash_batch <= 0:
-            raise ValueError(f"hash_read and hash_batch must be positive, got {hash_read} and {hash_batch}")
-        self.hash_from_map, self.hash_read, self.hash_batch = hash_from_map, hash_read, hash_batch
+                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES):
+        if hash_read <= 0:
+            raise ValueError(f"hash_read must be positive, got {hash_read}")
+        self.hash_from_map, self.hash_read = hash_from_map, hash_read
         self.root = root
         self.prefix = f"{subdir}/" if subdir else ""
         self.dir = root / subdir if subdir else root
@@ -352,8 +341,7 @@ class ShardSetWriter:
             if sh is None:
                 header, offsets, size = shard_layout(plan, self.by_name)
                 sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
-                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read,
-                               hash_batch=self.hash_batch)
+                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read)
                 self._open[plan.file] = sh
                 t = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
                 t.start()

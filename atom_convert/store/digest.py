@@ -23,28 +23,24 @@ from typing import Any, Callable, Mapping
 WRITTEN = "blake3"  # the digest this version writes into manifests and journals
 # every digest a manifest or journal entry may carry, by its key
 READ = ("blake3", "sha256")
+CHUNK = 8 << 20
 
 
-def _blake3(threads: bool) -> Any:
+def _blake3() -> Any:
     import blake3  # imported on first use: `import atom_convert` stays light
 
-    # BLAKE3 is a tree: one large update is cut into subtrees hashed on every core (the package's
-    # Rust thread pool), so a file that is complete when its hashing thread reaches it (a rank's
-    # shard whose experts came last) hashes at the cores' pace, not one core's (BENCHMARKS.md,
-    # fifteenth round). The digest is the same whatever the threads.
-    return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
+    return blake3.blake3()
 
 
-_NEW: dict[str, Callable[[bool], Any]] = {"blake3": _blake3, "sha256": lambda threads: hashlib.sha256()}
+_NEW: dict[str, Callable[[], Any]] = {"blake3": _blake3, "sha256": hashlib.sha256}
 
 
-def new(algorithm: str = WRITTEN, threads: bool = True) -> Any:
-    """A hashlib-style object (`update`, `hexdigest`) of `algorithm`; `threads`: a large update may
-    use every core (BLAKE3 only)."""
-    return _NEW[algorithm](threads)
+def new(algorithm: str = WRITTEN) -> Any:
+    """A hashlib-style object (`update`, `hexdigest`) of `algorithm`."""
+    return _NEW[algorithm]()
 
 
-def file_digest(path: str | Path, algorithm: str = WRITTEN, chunk: int = 64 << 20) -> str:
+def file_digest(path: str | Path, algorithm: str = WRITTEN, chunk: int = CHUNK) -> str:
     """The hex digest of a whole file, read in `chunk`-byte blocks. Where a path may lead is the
     caller's check (a manifest's file names are confined when it is read: manifest_checks.py)."""
     h = new(algorithm)
