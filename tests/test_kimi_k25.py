@@ -687,3 +687,74 @@ def test_int4_release_requantised(quantize, target, tp, opts, k25_src, k25_out, 
                 assert torch.equal(a.get(n).reshape(-1).view(torch.uint8), b.get(n).reshape(-1).view(torch.uint8)), (rank, n)
                 same += 1
     assert same > 20 * tp
+
+
+# §3.3's table (Kimi-K2.5, fp8-block case, native ATOM, gfx950, tp 8), rank 0: name -> (dtype, shape), under
+# `language_model.`; `L.` a decoder layer's prefix. The attention and expert shapes are Kimi-K2's (64 heads, 8 a
+# rank; 384 routed experts and the fused shared one; layout spec §2.8), the embedding vocabulary-parallel.
+K25_SPEC_TP8 = {
+    "model.embed_tokens.weight": ("bfloat16", [20480, 7168]), "lm_head.weight": ("bfloat16", [20480, 7168]),
+    "model.norm.weight": ("bfloat16", [7168]),
+    "L.self_attn.fused_qkv_a_proj.weight": ("float8_e4m3fn", [2112, 7168]),
+    "L.self_attn.fused_qkv_a_proj.weight_scale": ("float32", [17, 56]),
+    "L.self_attn.q_b_proj.weight": ("float8_e4m3fn", [1536, 1536]),
+    "L.self_attn.q_b_proj.weight_scale": ("float32", [12, 12]),
+    "L.self_attn.kv_b_proj.weight": ("float8_e4m3fn", [2048, 512]),
+    "L.self_attn.kv_b_proj.weight_scale": ("float32", [16, 4]),
+    "L.self_attn.o_proj.weight": ("float8_e4m3fn", [7168, 1024]),
+    "L.self_attn.o_proj.weight_scale": ("float32", [56, 8]),
+    "L.self_attn.mla_attn.impl.W_K": ("float8_e4m3fn", [8, 512, 128]),
+    "L.self_attn.mla_attn.impl.W_V": ("float8_e4m3fn", [8, 128, 512]),
+}
+K25_SPEC_TP8_DENSE = {
+    "L.mlp.gate_up_proj.weight": ("float8_e4m3fn", [4608, 7168]), "L.mlp.gate_up_proj.weight_scale": ("float32", [36, 56]),
+    "L.mlp.down_proj.weight": ("float8_e4m3fn", [7168, 2304]), "L.mlp.down_proj.weight_scale": ("float32", [56, 18]),
+}
+K25_SPEC_TP8_MOE = {
+    # the router and its bias are bf16 at run time (atom-layout.md §2.4 and §8, item 9)
+    "L.mlp.gate.weight": ("bfloat16", [384, 7168]), "L.mlp.gate.e_score_correction_bias": ("bfloat16", [384]),
+    "L.mlp.experts.w13_weight": ("float8_e4m3fn", [385, 512, 7168]),
+    "L.mlp.experts.w13_weight_scale": ("float32", [385, 4, 56]),
+    "L.mlp.experts.w2_weight": ("float8_e4m3fn", [385, 7168, 256]),
+    "L.mlp.experts.w2_weight_scale": ("float32", [385, 56, 2]),
+}
+
+
+def test_dry_run_full_width_matches_spec_tp8(tmp_path):
+    """--dry-run on a header-only Kimi-K2.5 checkpoint at full width (Kimi-K2's text model, 1 dense + 2 MoE
+    layers of 61, under `language_model.`, with the vision tower and projector; quantization_config at the top
+    level, §3.1) plans §3.3's rank-0 inventory at tp 8, holds no vision or projector tensor natively, and
+    carries every one of them, bf16 and whole, under --profile vllm-plugin (§3.4)."""
+    from atom_convert.engine.planning import plan_summary
+    from atom_convert.layout.options import ConversionOptions
+    from atom_convert.synth import kimi_k25_config, load_preset, source_inventory
+    from test_glm5 import header_only_glm
+
+    text = dict(load_preset("kimi-k2"), num_hidden_layers=3)
+    text.pop("quantization_config", None)
+    cfg = kimi_k25_config(text)
+    src = header_only_glm(cfg, tmp_path / "k25-fp8")
+    vision = {n: list(shape) for n, shape, _ in source_inventory(cfg) if not n.startswith(PREFIX)}
+    assert vision and all(n.startswith(("vision_tower.", "mm_projector.")) for n in vision)
+
+    def rank0(profile: str) -> dict[str, tuple[str, list[int]]]:
+        plan = plan_summary(src, options=ConversionOptions(target="gfx950", tp=8, profile=profile))
+        return {t["name"]: (t["dtype"], list(t["shape"]))
+                for st in plan["sets"] if st["role"] == "main" for t in st["tensors"] if t["rank"] == 0}
+
+    rows = rank0("atom")
+    expected: dict[str, tuple[str, list[int]]] = {}
+    for i in range(3):
+        for k, v in dict(K25_SPEC_TP8, **(K25_SPEC_TP8_DENSE if i < 1 else K25_SPEC_TP8_MOE)).items():
+            if k.startswith("L."):
+                expected[f"{PREFIX}model.layers.{i}.{k[2:]}"] = v
+            elif i == 0:
+                expected[PREFIX + k] = v
+    for name, v in expected.items():
+        assert rows.get(name) == v, (name, rows.get(name))
+    assert all(n.startswith(PREFIX) for n in rows), sorted(n for n in rows if not n.startswith(PREFIX))
+    assert not any(n.startswith(("vision_tower.", "mm_projector.")) for n in rows)
+    plugin = rank0("vllm-plugin")
+    carried = {n: v for n, v in plugin.items() if not n.startswith(("language_model.", "model.language_model."))}
+    assert carried and all(dt == "bfloat16" for dt, _ in carried.values()), carried
+    assert sorted(shape for _, shape in carried.values()) == sorted(vision.values())
