@@ -15,10 +15,14 @@ for mode in atom project; do
       > out/$NAME-$mode-r$r.log 2>&1 & pids+=($!)
   done
   for p in "${pids[@]}"; do wait $p; done
-  for ((r=0; r<TP; r++)); do echo "$mode rank $r: $(tail -1 out/$NAME-$mode-r$r.log)"; done
+  for ((r=0; r<TP; r++)); do echo "$mode rank $r: $(grep -h '^plugin-dump\[' out/$NAME-$mode-r$r.log | tail -1)"; done
 done
 for ((r=0; r<TP; r++)); do
-  $PY "$ORACLE/compare_runtime.py" out/$NAME-atom-r$r out/$NAME-project-r$r --label "$NAME rank $r" \
-    --json out/$NAME-cmp-r$r.json || rc=1
+  res=$($PY "$ORACLE/compare_runtime.py" out/$NAME-atom-r$r out/$NAME-project-r$r --label "$NAME rank $r" \
+    --json out/$NAME-cmp-r$r.json) || rc=1
+  echo "$res"
+  # compare_runtime.py exits 0 whatever it found: a rank passes only on 'N of N checks hold' (no NOT RUN, no via)
+  first=${res%%$'\n'*}
+  [[ $first =~ :\ ([0-9]+)\ of\ ([0-9]+)\ checks\ hold$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[2]}" ] || rc=1
 done
 exit $rc
