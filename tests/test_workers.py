@@ -317,39 +317,6 @@ def test_working_set_estimate() -> None:
                                                ((128, 257), 0), ((128, 257), 1), ((128, 257), 2)]
 
 
-def test_parts_of_outputs_with_fewer_units() -> None:
-    """A group whose outputs have different unit counts (an MTP layer: the embedding's and the head's
-    16160 rows a rank, 257 expert slots): each item gets the same share k/n of every output's units,
-    so each output's ranges are contiguous, cover it once and are never empty; the group's other
-    outputs come with the first range only."""
-    import torch
-
-    from atom_convert.engine import workers as wk
-    from atom_convert.layout.plan import Group, OutTensor
-
-    def noop(rank: int, cache: dict[str, Any]) -> Any:
-        return iter(())
-
-    rows = OutTensor("embed", torch.bfloat16, (16160, 7168), (), noop, units=16160)
-    experts = OutTensor("w13", torch.uint8, (257, 512, 7168), (), noop, units=257)
-    few = OutTensor("few", torch.uint8, (3, 64), (), noop, units=3)
-    small = OutTensor("norm", torch.bfloat16, (7168,), (), noop)
-    g = Group("g", [rows, experts, few, small])
-    for n in (1, 2, 5, 7):
-        work = wk.items([g], 2, parts=n)
-        assert len(work) == 2 * n
-        for rank in (0, 1):
-            mine = [i for i in work if i.rank == rank]
-            for out in (rows, experts, few):
-                got = [p for i in mine for takes, p in [i.takes(out)] if takes]
-                if n == 1:
-                    assert got == [None], (out.name, n)
-                    continue
-                assert got[0][0] == 0 and got[-1][1] == out.units, (out.name, n, got)
-                assert all(a < b for a, b in got) and all(x[1] == y[0] for x, y in zip(got, got[1:])), (out.name, got)
-            assert [i.takes(small)[0] for i in mine] == [True] + [False] * (n - 1)
-
-
 # ------------------------------------------------------------------------------------------------
 # errors
 # ------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 How it works:
 1. A converted set is cut into items, one per (group, rank): a decoder layer's
-   tensors for one rank; a layer's experts (and an embedding's rows) are further cut into contiguous ranges,
+   tensors for one rank; a layer's experts are further cut into contiguous ranges,
    one item each (`parts_per_group`), so that the cores find work inside one layer
    and the first items of a layer need not wait for all of its source to be read.
    Items are handed out in load order (group-major,
@@ -83,9 +83,8 @@ class Item:
     group: Group
     rank: int
     cost: int  # bytes reserved from the budget while it runs
-    # A range [a, b) of the units of the group's output with the most (a layer's experts, an
-    # embedding's rows), or None: all of them. An output with fewer units gets the same share of
-    # its own (`takes`). The item with a == 0 (or None) also produces the group's other outputs.
+    # A range [a, b) of the group's experts (its outputs with `units`), or None: all of them. The
+    # item with a == 0 (or None) also produces the group's other outputs.
     part: tuple[int, int] | None = None
 
     def takes(self, out: OutTensor) -> tuple[bool, tuple[int, int] | None]:
@@ -93,11 +92,7 @@ class Item:
         if self.part is None:
             return True, None
         if out.units:
-            most = max(o.units for o in self.group.outputs)
-            a, b = self.part
-            if out.units != most:  # k/n of the largest count -> k/n of this one: the parts stay contiguous
-                a, b = a * out.units // most, b * out.units // most
-            return (True, (a, b)) if a < b else (False, None)
+            return True, self.part
         return self.part[0] == 0, None
 
 

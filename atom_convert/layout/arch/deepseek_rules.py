@@ -164,21 +164,17 @@ def _rows_in_chunks(ctx: _Ctx, name: str, lo: int, hi: int) -> Iterator[torch.Te
         del chunk
 
 
-def _whole(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any],
-           part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+def _whole(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
     shape = ctx.src.info(name).shape
     if len(shape) < 2:
         yield ctx.src.get(name).to(BF16, copy=True)
         return
-    a, b = part or (0, shape[0])
-    yield from _rows_in_chunks(ctx, name, a, b)
+    yield from _rows_in_chunks(ctx, name, 0, shape[0])
 
 
-def _vocab_rows(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any],
-                part: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+def _vocab_rows(ctx: _Ctx, name: str, rank: int, cache: dict[str, Any]) -> Iterator[torch.Tensor]:
     n = ctx.src.info(name).shape[0] // ctx.tp
-    a, b = part or (0, n)
-    yield from _rows_in_chunks(ctx, name, rank * n + a, rank * n + b)
+    yield from _rows_in_chunks(ctx, name, rank * n, (rank + 1) * n)
 
 
 def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], vocab: bool = False,
@@ -192,12 +188,10 @@ def _plain(ctx: _Ctx, src_name: str, out_name: str, shape: tuple[int, ...], voca
                 f"evenly without padding (spec §2.1)"
             )
         local = (shape[0] // ctx.tp, *shape[1:])
-        # rows are units (plan.OutTensor.units): a 1.85 GB embedding or lm_head (V3 at tp 1) is cut over
-        # several items like a layer's experts, instead of one worker copying it while the others idle
         return [OutTensor(out_name, BF16, local, (src_name,), partial(_vocab_rows, ctx, src_name), split=ctx.split("dim"),
-                          chunk_bytes=_CHUNK_BYTES, units=local[0])]
+                          chunk_bytes=_CHUNK_BYTES)]
     return [OutTensor(out_name, BF16, shape, (src_name,), partial(_whole, ctx, src_name),
-                      chunk_bytes=_CHUNK_BYTES if len(shape) > 1 else 0, units=shape[0] if len(shape) > 1 else 0)]
+                      chunk_bytes=_CHUNK_BYTES if len(shape) > 1 else 0)]
 
 
 def _local_rows(par: Par, rows: int, tp: int) -> int:
