@@ -15,9 +15,10 @@ How it works:
 2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
    which `pwrite`s them at their offsets and marks the byte range done.
 3. A shard's hashing thread follows the contiguous done prefix of its file and
-   feeds the file's digest (store/digest.py: BLAKE3) by reading the bytes back with `preadv` (they are in the page
-   cache: just written). Hashing never waits for the order of production, and
-   the files hash in parallel (file writes, reads and hashlib release the GIL).
+   feeds the file's digest (store/digest.py: BLAKE3) with the bytes read back
+   through a mapping (they are in the page cache: just written). Hashing never
+   waits for the order of production, and the files hash in parallel (file
+   writes, reads and the digest release the GIL).
    When the prefix reaches the end, the thread fsyncs and seals the file.
 4. Crash safety: a shard is written under `<name>.partial` and sealed once its last byte
    is written and hashed: fsynced, renamed to its final name, the directory fsynced, and

@@ -6,9 +6,10 @@ check a file against. Since format_version 3 the digest is BLAKE3 (the `blake3` 
 BLAKE3 team's bindings of the reference Rust crate; `b3sum FILE` prints the same hex), under the
 key `blake3`; format_version 1 and 2 manifests carry `sha256`, which is still checked as it is.
 
-Why not sha256: the converter hashes every byte it writes, and on the 2-core box sha256 was half
-of a warm conversion's wall time (BENCHMARKS.md, fifteenth round). One core digests a file in the
-page cache at 1.5 GB/s with sha256 (SHA-NI) and 5.5 GB/s with BLAKE3 (AVX-512).
+Why not sha256: the converter hashes every byte it writes, and sha256 was a third of a warm
+conversion's CPU on the device's 16 cores (BENCHMARKS.md, fourteenth round). One core digests a
+file in the page cache at 1.5 GB/s with sha256 (SHA-NI) and 5.5 GB/s with BLAKE3 (AVX-512); the
+warm conversion went from 4.4-4.6 to 5.6-6.0 GB/s of source there (fifteenth round).
 
 What identifies a *source* (config.json, the index: manifest `source.config_sha256`, the content
 key) stays sha256: those are small, and the Hub names its LFS objects by sha256.
