@@ -5,6 +5,7 @@ conversion that draws every output chunk from the pool writes the same bytes as 
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 from pathlib import Path
@@ -90,6 +91,29 @@ def test_free_slabs_bounded_least_recent_size_first() -> None:
     del huge
     gc.collect()
     assert pool.free_bytes <= 8 << 20
+
+
+def _mapping_flags(address: int) -> str:
+    """The permissions column of /proc/self/maps for the mapping holding `address` ("rw-p": private)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+@pytest.mark.parametrize("private", [True, False])
+def test_slabs_private_by_default(private: bool) -> None:
+    """The pool's slabs are private anonymous memory by default (the kernel may back them with huge
+    pages); private=False gives shared anonymous memory, which shows the check tells the two apart."""
+    pool = buffers.BufferPool(keep_bytes=64 << 20) if private else buffers.BufferPool(64 << 20, private=False)
+    t = pool.empty((4 << 20,), torch.uint8)
+    t.fill_(7)
+    assert _mapping_flags(t.data_ptr())[3] == ("p" if private else "s")
+    assert int(t[12345]) == 7
 
 
 def test_slab_freed_on_another_thread() -> None:

@@ -7,7 +7,8 @@ mapping whose pages fault in one 4 KB page at a time, are zeroed by the kernel a
 after the write: 16 GB of output is ~4 million page faults. Shuffling a [512, 7168] fp8 piece
 into a fresh tensor took 1.62 ms, into a reused one 0.10 ms (the 2-core box, one thread).
 
-How it works: `BufferPool` keeps free anonymous memory slabs, each of one rounded size. `empty(shape, dtype)` hands out a
+How it works: `BufferPool` keeps free anonymous memory slabs (private, as transparent huge pages where the
+kernel gives them), each of one rounded size. `empty(shape, dtype)` hands out a
 tensor over a free slab (`torch.frombuffer`: a storage of its own), and a finalizer on that storage
 puts the slab back when the last view of the tensor goes, whichever thread drops it (the writer's
 thread, after its pwrite). A slab is reused only when nothing can still see the tensor, so a chunk
@@ -36,8 +37,14 @@ _local = threading.local()
 class BufferPool:
     """Slabs of anonymous memory handed out as tensors and taken back when their last view dies."""
 
-    def __init__(self, keep_bytes: int):
+    def __init__(self, keep_bytes: int, *, private: bool = True):
         self.keep_bytes = keep_bytes  # free slabs beyond this are released, the least recently freed first
+        # private: slabs are private anonymous memory asked for as transparent huge pages (2 MB faults
+        # where the kernel's THP mode is "madvise" or "always"), not shared anonymous memory (shmem,
+        # 4 KB faults, each page zeroed); a worker process's slabs are its own either way. On the
+        # 2-core box, warm V3-width fp8 (5.2 GB): tp 8 6.05-6.54 s against 6.42-8.93 s shared, tp 1
+        # 5.77-6.96 s against 8.77-9.49 s (BENCHMARKS.md, fifteenth round)
+        self.private = private
         self._free: list[tuple[int, mmap.mmap]] = []  # (size, slab), least recently freed first
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -52,7 +59,15 @@ class BufferPool:
                     self.reused += 1
                     return self._free.pop(i)[1]
             self.made += 1
-        return mmap.mmap(-1, size)  # anonymous, page-aligned (int64 / complex128 views need 16 bytes)
+        if not self.private:
+            return mmap.mmap(-1, size)  # anonymous, page-aligned (int64 / complex128 views need 16 bytes)
+        slab = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                slab.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # a kernel without THP: 4 KB pages
+                pass
+        return slab
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(int(d) for d in shape)
