@@ -41,9 +41,10 @@ class BufferPool:
         self.keep_bytes = keep_bytes  # free slabs beyond this are released, the least recently freed first
         # private: slabs are private anonymous memory asked for as transparent huge pages (2 MB faults
         # where the kernel's THP mode is "madvise" or "always"), not shared anonymous memory (shmem,
-        # 4 KB faults, each page zeroed); a worker process's slabs are its own either way. On the
-        # 2-core box, warm V3-width fp8 (5.2 GB): tp 8 6.05-6.54 s against 6.42-8.93 s shared, tp 1
-        # 5.77-6.96 s against 8.77-9.49 s (BENCHMARKS.md, fifteenth round)
+        # 4 KB faults, each page zeroed); a worker process's slabs are its own either way. Warm
+        # V3-width fp8 at tp 1, 2-core box: 5.8-7.0 and 9.6-10.3 s against 8.8-9.5 and 12.9-13.3 s
+        # shared (two sittings); the device: 5.05-5.11 against 5.17-5.79 s; at tp 8 no difference
+        # beyond the noise in three of four sittings (BENCHMARKS.md, fifteenth round)
         self.private = private
         self._free: list[tuple[int, mmap.mmap]] = []  # (size, slab), least recently freed first
         self._free_bytes = 0
