@@ -43,8 +43,8 @@ class BufferPool:
         # where the kernel's THP mode is "madvise" or "always"), not shared anonymous memory (shmem,
         # 4 KB faults, each page zeroed); a worker process's slabs are its own either way. Warm
         # V3-width fp8 at tp 1, 2-core box: 5.8-7.0 and 9.6-10.3 s against 8.8-9.5 and 12.9-13.3 s
-        # shared (two sittings); the device: 5.05-5.11 against 5.17-5.79 s; at tp 8 no difference
-        # beyond the noise in three of four sittings (BENCHMARKS.md, fifteenth round)
+        # shared (two sittings); the device: 5.05-5.11 against 5.17-5.79 s. At tp 8 no difference
+        # beyond the noise on the device and in the box's second sitting (BENCHMARKS.md, fifteenth round)
         self.private = private
         self._free: list[tuple[int, mmap.mmap]] = []  # (size, slab), least recently freed first
         self._free_bytes = 0
