@@ -559,6 +559,34 @@ def test_load_into_plugin_tree_with_sharded_vision(k25_src, k25_out):
                            src[f"{PREFIX}lm_head.weight"][r * 256:(r + 1) * 256])
 
 
+class _VllmParameter(torch.nn.Parameter):
+    """Like vLLM's ModelWeightParameter: a Parameter subclass with its own attributes and weight_loader."""
+
+
+def test_load_into_plugin_tree_keeps_the_live_vision_parameters(k25_src, k25_out):
+    """At tp 1 a carried vision tensor whose live Parameter has a weight_loader goes through it, as ATOM's
+    plugin loader does: the live object stays (class, attributes, requires_grad); one without a loader
+    is replaced by a Parameter that keeps the live requires_grad (vLLM's nn.Conv2d patch_embed)."""
+    from atom_convert.serve.load import load_into, module_tree, rank_view
+
+    out = k25_out("bf16", "gfx950", 1, profile="vllm-plugin")
+    src = K25Source(k25_src("bf16"))
+    tree = module_tree(rank_view(out, 0))
+    wqkv = tree.get_submodule("model.vision_tower.encoder.blocks.0.wqkv")
+    full = src["vision_tower.encoder.blocks.0.wqkv.weight"]
+    live = _VllmParameter(torch.empty(full.shape, dtype=BF16), requires_grad=False)
+    live._input_dim, live._output_dim, live.tp_rank = 1, 0, 0  # type: ignore[attr-defined]
+    live.weight_loader = lambda p, w: p.data.copy_(w)  # type: ignore[attr-defined]
+    wqkv.register_parameter("weight", live)
+    proj = tree.get_submodule("model.vision_tower.patch_embed.proj")
+    proj.register_parameter("weight", torch.nn.Parameter(torch.empty(proj.weight.shape, dtype=BF16, device="meta")))
+    load_into(tree, out, rank=0, profile="vllm-plugin")
+    assert wqkv._parameters["weight"] is live and type(live) is _VllmParameter
+    assert (live._input_dim, live._output_dim, live.tp_rank) == (1, 0, 0) and not live.requires_grad
+    assert torch.equal(live, full)
+    assert proj.weight.requires_grad and torch.equal(proj.weight, src["vision_tower.patch_embed.proj.weight"])
+
+
 def test_dry_run_names(k25_src, tmp_path, capsys):
     code, out, err = run_cli(["convert", str(k25_src("mxfp4")), str(tmp_path / "x"), "--dry-run", "--json", "--tp", "2",
                               "--profile", "vllm-plugin"], capsys)

@@ -145,6 +145,25 @@ def test_existing_parameters_are_replaced_and_marked(converted):
         assert torch.equal(_bytes(_live(model, name)), raw), name
 
 
+def test_requires_grad_of_the_live_parameters_kept(converted):
+    """A replaced Parameter keeps the live one's requires_grad, as ATOM's loader does (it copies into the
+    live object; vLLM's vision tower keeps requires_grad=True on its nn.Conv2d weights): float ones
+    marked True stay True, the rest stay False, and the bytes are the file's."""
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=1)
+    model = T.build(_config(d), tp=1, meta=True)
+    aliased = {n for pair in rank_view(d, 0).aliases.items() for n in pair}  # one object under two names
+    floats = [n for n, p in model.named_parameters() if p.dtype == torch.bfloat16 and n not in aliased]
+    marked = set(floats[::2])
+    assert marked and len(marked) < len(floats)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in marked)
+    atom_convert.load_into(model, d, rank=0)
+    live = dict(model.named_parameters())
+    assert {n for n, p in live.items() if p.requires_grad and n not in aliased} == marked
+    for name, raw in _file_bytes(d, 0).items():
+        assert torch.equal(_bytes(_live(model, name)), raw), name
+
+
 def test_every_mismatch_reported_at_once(converted):
     """Item 4: a missing live parameter, an unexpected manifest tensor and a wrong dtype, one error."""
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)

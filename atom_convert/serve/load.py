@@ -176,8 +176,9 @@ class _Binding:
     is_param: bool
     live_name: str
     # A tensor carried unchanged from the checkpoint (Kimi-K2.5's vision tower under vllm-plugin,
-    # atom-layout-next.md §3.4) into a live Parameter of another shape: handed whole to the
-    # Parameter's own `weight_loader` (vLLM's TP cut), as the plugin's loader does.
+    # atom-layout-next.md §3.4) into a live Parameter that has a `weight_loader`: handed whole to it
+    # (vLLM's TP cut where the shapes differ), as the plugin's loader does, so the live object keeps
+    # its class and attributes (vLLM's parameters carry _input_dim, _output_dim, tp_rank, ...).
     via_loader: bool = False
 
 
@@ -226,8 +227,7 @@ def _bind(model: nn.Module, view: RankView, mla_owner: str) -> list[_Binding]:
         # A Parameter whose shape ATOM's PWAL changes is registered with its pre-PWAL shape; the files
         # hold the post-PWAL one (e8m0 scales padded or flattened, spec atom-layout.md §3.3.1, §4).
         shapes = {ref.shape, *registered_shapes(ref.shape, ref.layout)}
-        if (tuple(p.shape) not in shapes and p.dtype == ref.dtype and ref.layout.get("carried")
-                and callable(getattr(p, "weight_loader", None))):
+        if ref.layout.get("carried") and p.dtype == ref.dtype and callable(getattr(p, "weight_loader", None)):
             filled.add((id(module), attr))
             bindings.append(_Binding(ref, module, attr, is_param=True, live_name=live_name, via_loader=True))
             continue
@@ -349,7 +349,10 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         if slots[b.ref.name].given is not None and cur is not None:
             p = cur  # the bytes went into the existing object
         else:
-            p = nn.Parameter(t, requires_grad=False)
+            # the live Parameter's requires_grad is kept, as ATOM's loader keeps it (it copies into the
+            # live object): vLLM's vision tower builds nn.Conv2d weights that keep requires_grad=True
+            keep = cur is not None and cur.requires_grad and (t.is_floating_point() or t.is_complex())
+            p = nn.Parameter(t, requires_grad=keep)
             b.module._parameters[b.attr] = p
         if b.ref.is_shuffled:
             p.is_shuffled = True  # type: ignore[attr-defined]  # read by gather_kv_b_proj and aiter (§3)
