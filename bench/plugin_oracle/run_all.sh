@@ -18,6 +18,19 @@ cv v32-fp8-plugin $V32 --target gfx950 --profile vllm-plugin
 cv v32-fp8-plugin-tp2ep $V32 --target gfx950 --profile vllm-plugin --tp 2 --ep
 cv glm52-fp8-plugin $GLM52 --target gfx950 --profile vllm-plugin
 cv glm52-fp8-plugin-tp2 $GLM52 --target gfx950 --profile vllm-plugin --tp 2
+# Kimi-K2.5 Quark MXFP4 (tests/k25_fixtures.py). vLLM 0.27.1's KimiK25VisionConfig reads hidden_size,
+# num_hidden_layers, num_attention_heads, intermediate_size (defaults: the real model's) and not the checkpoint's
+# vt_* keys, so a tiny fixture is copied with both names in its vision_config (values unchanged)
+K25=${K25_FIXTURE:-/tmp/fam/k25-mxfp4}; K25V=$DSTD/k25-mxfp4-vllm-src; rm -rf "$K25V"; cp -r "$K25" "$K25V"
+python3 - "$K25V/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); v = c["vision_config"]
+v.update({k: v["vt_" + k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")})
+json.dump(c, open(sys.argv[1], "w"), indent=1)
+PY
+cv k25-mxfp4-plugin $K25V --target gfx950 --profile vllm-plugin
+cv k25-mxfp4-plugin-tp2 $K25V --target gfx950 --profile vllm-plugin --tp 2
+cv k25-mxfp4-plugin-tp2ep $K25V --target gfx950 --profile vllm-plugin --tp 2 --ep
 rc=0
 ./run_pair.sh v3fp8-tp1-mtp $S/v3-fp8 dst/v3-fp8-plugin 1 --mtp || rc=1
 ./run_pair.sh kimi-tp2ep $S/kimi-fp8 dst/kimi-fp8-plugin-tp2ep 2 --ep || rc=1
@@ -32,5 +45,8 @@ rc=0
 ./run_pair.sh v32fp8-tp2ep-mtp $V32 dst/v32-fp8-plugin-tp2ep 2 --ep --mtp || rc=1
 ./run_pair.sh glm52fp8-tp1-mtp $GLM52 dst/glm52-fp8-plugin 1 --mtp || rc=1
 ./run_pair.sh glm52fp8-tp2-mtp $GLM52 dst/glm52-fp8-plugin-tp2 2 --mtp || rc=1
+./run_pair.sh k25mxfp4-tp1 $K25V dst/k25-mxfp4-plugin 1 || rc=1
+./run_pair.sh k25mxfp4-tp2 $K25V dst/k25-mxfp4-plugin-tp2 2 || rc=1
+./run_pair.sh k25mxfp4-tp2ep $K25V dst/k25-mxfp4-plugin-tp2ep 2 --ep || rc=1
 ./run_dp.sh v3fp8-dp2ep $S/v3-fp8 dst/v3-fp8-plugin-tp2ep 2 --ep   # expected: the project refuses (no such layout)
 exit $rc
