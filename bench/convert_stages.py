@@ -4,15 +4,18 @@ Each run is a fresh subprocess converting SRC (read into the page cache first) i
 under --out (default /dev/shm), with all stages on ("full") or one of them replaced by a no-op:
 - "hash-pread": not a no-op: the hashing threads read the written bytes back with preadv instead
   of through a mapping (ShardSetWriter's hash_from_map=False);
-- "no-hash": the shards' digest (the hashing threads read nothing, the manifest's digests are void);
+- "no-hash": the shards' digest (no writer takes a block's leaf, the hashing threads read nothing,
+  the manifest's digests are void);
 - "no-checks": the source value checks (files/values.py: NaN/Inf, fp8 NaN codes, scales);
 - "no-write": the shards' pwrite (only each buffer's last byte is written, so the files have their
   size but are sparse; hashing then reads holes).
+- "no-gc": Python's cyclic garbage collector off for the whole conversion (gc.disable() before it,
+  inherited by the forked workers): what the collector's passes cost.
 What a switched-off stage saves is what it costs on the critical path; the runs' CPU seconds say
 what it costs in all. The outputs are diagnostics only and are removed after each run.
 
 Usage: python bench/convert_stages.py SRC [--target gfx950] [--tp 8] [--workers N] [--runs 2]
-       [--stages full,hash-pread,no-hash,no-checks,no-write] [--variant NAME:MODULE.CLASS.OPTION=VALUE]
+       [--stages full,hash-pread,no-hash,no-checks,no-write,no-gc] [--variant NAME:MODULE.CLASS.OPTION=VALUE]
        [--out /dev/shm] [--json FILE]
 """
 
@@ -30,17 +33,26 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("full", "hash-pread", "no-hash", "no-checks", "no-write")
+STAGES = ("full", "hash-pread", "no-hash", "no-checks", "no-write", "no-gc")
 
 
-class _NoHash:
-    """Stands in for the writer's file digest (store/digest.py): digests nothing."""
+def writer_block() -> int:
+    from atom_convert.store import digest
 
-    def __init__(self, data: bytes = b"") -> None:
+    return digest.BLOCK
+
+
+class _NoLeaves:
+    """Stands in for the writer's block leaves (store/digest.py Leaves): takes none, needs none."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.count = size, -(-size // writer_block())
+
+    def put(self, first: int, leaves: bytes) -> None:
         pass
 
-    def update(self, data: Any) -> None:
-        pass
+    def missing(self, lo: int, hi: int) -> list[int]:
+        return []
 
     def hexdigest(self) -> str:
         return "0" * 64
@@ -56,11 +68,18 @@ def _switch_off(stage: str, variants: dict[str, dict[str, Any]]) -> None:
 
         apply_variant(variants[stage])
     elif stage == "no-hash":
-        class _Digest:  # the writer's `digest` module, with new() replaced
+        class _Digest:  # the writer's `digest` module: no leaves taken, none needed
+            BLOCK = writer.digest.BLOCK
+            Leaves = _NoLeaves
+
             @staticmethod
-            def new(algorithm: str = "") -> _NoHash:
-                return _NoHash()
+            def leaves_within(data: Any, offset: int) -> None:
+                return None
         writer.digest = _Digest  # type: ignore[assignment]
+    elif stage == "no-gc":
+        import gc
+
+        gc.disable()
     elif stage == "hash-pread":
         sys.path.insert(0, str(REPO / "bench"))
         from bench_convert import apply_variant

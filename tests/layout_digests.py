@@ -23,6 +23,10 @@ sha256 and sizes). tests/test_alignment.py keeps three cases' pre-change shard d
 Re-recorded a second time, manifests only: when a converted set's files became digested with BLAKE3
 (format_version 3, atom_convert/store/digest.py). Before re-recording, every one of the 582 other files of
 the 88 cases (shards, copied side files) had the digest recorded here; only the 113 manifests differed.
+
+Re-recorded a third time, manifests only: when the files' digest became `blake3_blocks` (format_version 4,
+the BLAKE3 of each 64 KiB block, then of those leaves: atom_convert/store/digest.py). Before re-recording,
+every shard and copied side file of every case had the digest recorded here; only the manifests differed.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def normalized_manifest(path: Path, src: Path) -> str:
         if name.endswith("atom_manifest.json"):
             f.pop("sha256", None)
             f.pop("blake3", None)
+            f.pop("blake3_blocks", None)
             f.pop("bytes", None)
     text = json.dumps(m, sort_keys=True)
     return text.replace(str(src), "SRC")

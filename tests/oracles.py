@@ -126,3 +126,15 @@ def fp8_block_dequantize_dir(src: Path, out: Path) -> Path:
 
     convert_checkpoint(str(src), str(out), Contiguous.from_pretrained(str(src)), max_workers=1, device="cpu")
     return out
+
+
+def b3_blocks(data: bytes) -> str:
+    """The `blake3_blocks` digest of a file's bytes, from its definition (docs/layout.md) and the
+    blake3 package's one-shot calls alone: the BLAKE3 hash of each 64 KiB block (the last one
+    shorter, none for no bytes), laid end to end, hashed in key-derivation mode with the context
+    string the format names."""
+    import blake3
+
+    leaves = b"".join(blake3.blake3(data[i:i + 65536]).digest() for i in range(0, len(data), 65536))
+    context = "atom-convert 2026-12-04 file digest: the BLAKE3 of each 64 KiB block, in order"
+    return blake3.blake3(leaves, derive_key_context=context).hexdigest()

@@ -73,7 +73,7 @@ def join_shard(p: Path, header_text: str, data: bytes) -> None:
 def reseal(d: Path, rel: str) -> None:
     """Record the file's new size and digest in the manifest: only the header checks can catch it then."""
     edit_manifest(d, lambda m: m["files"].__setitem__(rel, {"bytes": (d / rel).stat().st_size,
-                                                           "blake3": file_digest(d / rel)}))
+                                                           "blake3_blocks": file_digest(d / rel)}))
 
 
 def edit_header(d: Path, edit: Callable[[dict[str, Any]], str | None]) -> None:
@@ -136,7 +136,7 @@ def _flipped(d: Path, outside: Path) -> Case:
     raw = bytearray((d / rel).read_bytes())
     raw[len(raw) - 10] ^= 0x5A
     (d / rel).write_bytes(bytes(raw))
-    return Case([rel, "blake3"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
+    return Case([rel, "blake3_blocks"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
 
 
 # shard headers (the manifest's sizes and digests resealed, so that the header checks must catch them)
@@ -296,7 +296,7 @@ def _m_absolute(d: Path, outside: Path) -> Case:
 def _m_files_dotdot(d: Path, outside: Path) -> Case:
     (outside / "secret.txt").write_text("not yours")
     bad = f"../{outside.name}/secret.txt"
-    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "blake3": file_digest(outside / "secret.txt")}))
+    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "blake3_blocks": file_digest(outside / "secret.txt")}))
     return Case([MANIFEST_NAME, f"files[{bad!r}]", "'..'"], error=ConvertedCheckError)
 
 

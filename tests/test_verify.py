@@ -61,7 +61,7 @@ def _rewrite(dst: Path, name: str, fn) -> None:
     assert not torch.equal(_bytes(new), _bytes(tensors[name])), "the corruption must change the bytes"
     tensors[name] = new
     save_file(tensors, str(dst / f), metadata={"format": "pt"})
-    m["files"][f] = {"bytes": (dst / f).stat().st_size, "blake3": file_digest(dst / f)}
+    m["files"][f] = {"bytes": (dst / f).stat().st_size, "blake3_blocks": file_digest(dst / f)}
     (dst / MANIFEST_NAME).write_text(json.dumps(m))
 
 
@@ -92,26 +92,31 @@ def test_flipped_byte_in_any_file(converted, tiny_checkpoint, tmp_path):
         raw[off] ^= 0x5A
         (dst / f).write_bytes(bytes(raw))
         r = verify(dst, None)
-        assert not r.ok and any(Path(f).name in p and "blake3" in p for p in r.failures), r.failures
+        assert not r.ok and any(Path(f).name in p and "blake3_blocks" in p for p in r.failures), r.failures
         r = verify(dst, src, tokens=4)
         assert any(name in p for p in r.check.problems), (f, name, r.check.problems)
 
 
-def test_format_2_sha256_digests_still_checked(converted, tmp_path):
-    """A directory written before format_version 3 lists sha256 digests: verify checks them as sha256
-    (hashlib's, computed here), passes when they match and names the file and sha256 when one does not."""
+@pytest.mark.parametrize("version,key", [(2, "sha256"), (3, "blake3")])
+def test_older_formats_digests_still_checked(converted, tmp_path, version, key):
+    """A directory written before format_version 4 lists whole-file digests (sha256 before version 3,
+    BLAKE3 in version 3): verify checks them as such (hashlib's and the blake3 package's, computed
+    here), passes when they match and names the file and the digest when one does not."""
     import hashlib
 
-    dst = tmp_path / "v2"
+    import blake3
+
+    whole = {"sha256": hashlib.sha256, "blake3": blake3.blake3}[key]
+    dst = tmp_path / f"v{version}"
     shutil.copytree(converted("tiny-deepseek-v3", "fp8", "gfx950"), dst)
     manifests = sorted(dst.rglob(MANIFEST_NAME), key=lambda p: -len(p.parts))  # mtp/ before the main one
     for mp in manifests:
         m = json.loads(mp.read_text())
-        m["format_version"] = 2
+        m["format_version"] = version
         for rel, meta in m["files"].items():
-            del meta["blake3"]
+            del meta["blake3_blocks"]
             meta["bytes"] = (mp.parent / rel).stat().st_size  # mtp/'s manifest, rewritten first
-            meta["sha256"] = hashlib.sha256((mp.parent / rel).read_bytes()).hexdigest()
+            meta[key] = whole((mp.parent / rel).read_bytes()).hexdigest()
         mp.write_text(json.dumps(m))
     r = verify(dst, None)
     assert r.ok, r.failures
@@ -120,7 +125,7 @@ def test_format_2_sha256_digests_still_checked(converted, tmp_path):
     raw[-3] ^= 0x21
     shard.write_bytes(bytes(raw))
     r = verify(dst, None)
-    assert not r.ok and any(shard.name in p and "sha256" in p for p in r.failures), r.failures
+    assert not r.ok and any(shard.name in p and f"{key} " in p for p in r.failures), r.failures
 
 
 def test_w_k_heads_permuted(converted, tiny_checkpoint, tmp_path):

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import blake3
 import pytest
 
 import atom_convert
@@ -35,6 +34,7 @@ from atom_convert.engine.writer import ShardSetWriter
 
 from cliutil import Shared, run_cli
 
+from oracles import b3_blocks
 from test_memory import trace_conversion
 
 PRESET = "tiny-deepseek-v3"
@@ -109,9 +109,10 @@ def test_output_identical_for_any_number_of_workers(sources: Callable[..., Path]
 @pytest.mark.parametrize("from_map", [True, False], ids=["mapped", "read-back"])
 def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch, from_map: bool) -> None:
-    """The hashing threads follow the written prefix through a mapping of the file (or read it back):
-    with windows of an odd size, so that most start inside a page, every shard's digest in the
-    manifest is the blake3 package's over the file as written, for workers in processes and in threads."""
+    """The writers send the leaves of the whole blocks they wrote, and the hashing threads hash the
+    others through a mapping of the file (or read back), one block at a time (a window of an odd
+    size under one block): every shard's digest in the manifest is blake3_blocks' definition
+    (tests/oracles.py) over the file as written, for workers in processes and in threads."""
     from atom_convert.engine import writer
 
     convert_mod = importlib.import_module("atom_convert.engine.convert")  # the package attribute is the function
@@ -131,9 +132,46 @@ def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_pat
         shards = {k: v for k, v in m["files"].items() if k.endswith(".safetensors")}
         assert len(shards) > 8
         for rel, meta in shards.items():
-            assert meta["blake3"] == blake3.blake3((dst / rel).read_bytes()).hexdigest(), (workers, rel)
+            assert meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes()), (workers, rel)
     shards = [sh for w in made for sh in w._open.values()]
     assert shards and all(sh.hash_from_map is from_map and sh.hash_read == 12345 for sh in shards)
+
+
+@pytest.mark.parametrize("mode,workers", [("process", 2), ("thread", 2)])
+def test_writers_send_the_leaves_of_whole_blocks(sources: Callable[..., Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch, mode: str, workers: int) -> None:
+    """Whoever writes a buffer takes the leaves of the whole 64 KiB blocks in it (in a worker process
+    they travel to the converting process with the range written), so the shards' hashing threads
+    hash only the blocks that straddle two buffers: counted here in the converting process, where
+    every leaf ends up, most of the blocks arrive from the writers, yet not all (the thread's part
+    is exercised too), and the digests are the definition's."""
+    from atom_convert.store import digest as digest_mod
+
+    put, by_thread = digest_mod.Leaves.put, digest_mod.Leaves.hash_blocks
+    counts = {"put": 0, "thread": 0}
+    lock = threading.Lock()
+
+    def counting_put(self: Any, first: int, leaves: bytes) -> None:
+        with lock:
+            counts["put"] += len(leaves) // digest_mod.LEAF
+        put(self, first, leaves)
+
+    def counting_hash(self: Any, blocks: list[int], read: Any) -> None:
+        with lock:
+            counts["thread"] += len(blocks)
+        by_thread(self, blocks, read)
+
+    monkeypatch.setattr(digest_mod.Leaves, "put", counting_put)
+    monkeypatch.setattr(digest_mod.Leaves, "hash_blocks", counting_hash)
+    dst = tmp_path / "out"
+    m = atom_convert.convert(sources("fp8", 8), dst, target="gfx950", tp=1, workers=workers, worker_mode=mode)
+    shards = {k: v for k, v in m["files"].items() if k.endswith(".safetensors")}
+    total = sum(-(-v["bytes"] // digest_mod.BLOCK) for v in shards.values())
+    sent = counts["put"] - counts["thread"]
+    assert counts["put"] == total, counts
+    assert total // 2 < sent < total, (sent, counts, total)
+    for rel, meta in shards.items():
+        assert meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes()), rel
 
 
 @pytest.mark.parametrize("par", [{"ep": True}, {"dp_attention": True, "ep": True}], ids=["ep", "dpa-ep"])

@@ -167,7 +167,7 @@ def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], r
         job, writers, send = sets[key], state["writers"], state["send"]
         if key not in writers:
             writers[key] = ProcessShardWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), kept, stop,
-                                              fault, report=lambda f, a, n: send(("w", f, a, n)))
+                                              fault, report=lambda f, a, n, lv: send(("w", f, a, n, lv)))
         _convert_item(job.work[i], plan, writers[key], state["io"], state["pool"])
         return src.values.take()  # --allow-nonfinite records, merged by the parent
 
@@ -228,7 +228,7 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
                 log.debug("%s (rank %d): converted", item.group.key, item.rank)
 
             pool.run_items(job.work, lambda i: (key, i), budget=budget, prepare=prepare,
-                           message=lambda m: writer.written_elsewhere(m[1], m[2], m[3]), finished=finished)
+                           message=lambda m: writer.written_elsewhere(m[1], m[2], m[3], m[4]), finished=finished)
         else:
             def convert_item(item: workers_mod.Item, io: object) -> None:
                 assert isinstance(io, _IOThread)

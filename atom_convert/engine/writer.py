@@ -13,13 +13,15 @@ How it works:
 1. A shard file is opened when its first tensor is written: the header goes
    to offset 0 (its layout: shard_header.py), and a hashing thread for that file starts.
 2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
-   which `pwrite`s them at their offsets and marks the byte range done.
-3. A shard's hashing thread follows the contiguous done prefix of its file and
-   feeds the file's digest (store/digest.py: BLAKE3) with the bytes read back
-   through a mapping (they are in the page cache: just written). Hashing never
-   waits for the order of production, and the files hash in parallel (file
-   writes, reads and the digest release the GIL).
-   When the prefix reaches the end, the thread fsyncs and seals the file.
+   which `pwrite`s them at their offsets, takes the leaves of the whole 64 KiB blocks of the
+   file that lie in the buffer (store/digest.py: `blake3_blocks`) while the bytes are still in
+   its core's caches, and marks the byte range done with those leaves (a worker process sends
+   them to the converting process with the range).
+3. A shard's hashing thread follows the contiguous done prefix of its file and hashes only
+   the blocks whose leaf no writer sent (those that straddle two buffers, and the short last
+   block), read back through a mapping (they are in the page cache: just written). When the
+   prefix reaches the end, the thread computes the file's digest from its leaves, fsyncs and
+   seals the file. Hashing never waits for the order of production beyond those few blocks.
 4. Crash safety: a shard is written under `<name>.partial` and sealed once its last byte
    is written and hashed: fsynced, renamed to its final name, the directory fsynced, and
    its size and digest appended to the staging journal (staging.py). A killed run leaves
@@ -96,6 +98,17 @@ class _Piece:
 
 HASH_READ_BYTES = 8 << 20  # default block of the hashing threads (ShardSetWriter's hash_read)
 
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block numbers as runs [a, b) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in blocks:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _unlink_own_leftover(final: Path, suffix: str) -> None:
@@ -179,16 +192,19 @@ class ShardFile(_ShardIO):
         self.ends: dict[int, int] = {}  # done ranges not yet joined to the prefix: start -> end
         self.frontier = 0  # bytes [0, frontier) are written
         self.nbytes = 0  # bytes written (any order)
-        self.hashed = 0
-        self.sha = digest.new()  # the file's digest (store/digest.py), fed in order by hash_and_seal
+        self.hashed = 0  # the leaves of bytes [0, hashed) are in (a block boundary, or size)
+        self.leaves = digest.Leaves(size)  # the file's block leaves (store/digest.py), from any writer
         self.aborted = False
         self.error: BaseException | None = None
         self.closed = False
         self.sealed: Sealed | None = None
         self.thread: threading.Thread | None = None
 
-    def done(self, start: int, n: int) -> None:
-        """Bytes [start, start + n) are in the file (called after pwrite returned)."""
+    def done(self, start: int, n: int, leaves: tuple[int, bytes] | None = None) -> None:
+        """Bytes [start, start + n) are in the file (called after pwrite returned); `leaves`: (first
+        block, leaves) of the whole blocks in them (digest.leaves_within), None when not taken."""
+        if leaves is not None and leaves[1]:
+            self.leaves.put(*leaves)  # before the frontier passes them: the hashing thread then skips them
         with self.cond:
             self.nbytes += n
             self.ends[start] = start + n
@@ -200,25 +216,24 @@ class ShardFile(_ShardIO):
                 self.cond.notify_all()
 
     def hash_and_seal(self) -> None:
-        """The hashing thread: the digest of the written prefix as it grows; then fsync and seal."""
+        """The hashing thread: the leaves no writer sent, block by block as the written prefix
+        passes them; then the digest, fsync and seal."""
         try:
-            view = None if self.hash_from_map else memoryview(bytearray(min(self.hash_read, max(self.size, 1))))
+            block = digest.BLOCK
+            window = max(1, self.hash_read // block)  # blocks read back at a time
+            view = None if self.hash_from_map else memoryview(bytearray(min(window * block, max(self.size, 1))))
             while self.hashed < self.size:
                 with self.cond:
-                    while self.frontier <= self.hashed and not self.aborted:
+                    while self.frontier < min(self.hashed + block, self.size) and not self.aborted:
                         self.cond.wait(0.5)
                     if self.aborted:
                         return
                     ready = self.frontier
-                while self.hashed < ready:
-                    if view is None:
-                        n = self._hash_mapped(min(self.hash_read, ready - self.hashed))
-                    else:
-                        n = self._io(os.preadv, self.fd, [view[:min(len(view), ready - self.hashed)]], self.hashed)
-                        if n <= 0:
-                            raise AtomConvertError(f"internal: {self.rel}: read back {n} bytes at {self.hashed}")
-                        self.sha.update(view[:n])
-                    self.hashed += n
+                lo, hi = self.hashed // block, (self.leaves.count if ready == self.size else ready // block)
+                for a, b in _runs(self.leaves.missing(lo, hi)):
+                    for w in range(a, b, window):
+                        self._hash_blocks(w, min(w + window, b), view)
+                self.hashed = min(hi * block, self.size)
             self._io(os.fsync, self.fd)
             self.close_fd()
             with self.cond:
@@ -230,20 +245,28 @@ class ShardFile(_ShardIO):
         finally:
             self.close_fd()
 
-    def _hash_mapped(self, n: int) -> int:
-        """The digest of the next n written bytes, read through a read-only mapping of them: the page
-        cache's pages themselves, where reading them back (preadv) copies every byte once more
-        (60-61 against 64-67 CPU-s for a 15.8 GB conversion on the 2-core box, BENCHMARKS.md, issue 9,
-        sixth round).
-        Only written bytes are mapped and read (n stops at the written prefix)."""
-        lo = self.hashed // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        mm = self._io(lambda: mmap.mmap(self.fd, self.hashed + n - lo, prot=mmap.PROT_READ, offset=lo))
-        try:
-            with memoryview(mm) as mv:
-                self.sha.update(mv[self.hashed - lo:])
-        finally:
-            mm.close()
-        return n
+    def _hash_blocks(self, a: int, b: int, view: memoryview | None) -> None:
+        """The leaves of blocks [a, b), all written, read back through a read-only mapping of them
+        (the page cache's pages themselves, where reading them back with preadv into `view` copies
+        every byte once more: 60-61 against 64-67 CPU-s for a 15.8 GB conversion on the 2-core box,
+        BENCHMARKS.md, issue 9, sixth round)."""
+        start, end = a * digest.BLOCK, min(b * digest.BLOCK, self.size)
+        if view is None:
+            lo = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            mm = self._io(lambda: mmap.mmap(self.fd, end - lo, prot=mmap.PROT_READ, offset=lo))
+            try:
+                with memoryview(mm) as mv:
+                    self.leaves.hash_blocks(list(range(a, b)), lambda s, e: mv[s - lo:e - lo])
+            finally:
+                mm.close()
+            return
+        got = 0
+        while got < end - start:
+            n = self._io(os.preadv, self.fd, [view[got:end - start]], start + got)
+            if n <= 0:
+                raise AtomConvertError(f"internal: {self.rel}: read back {n} bytes at {start + got}")
+            got += n
+        self.leaves.hash_blocks(list(range(a, b)), lambda s, e: view[s - start:e - start])
 
     def _seal(self) -> None:
         if not (self.nbytes == self.hashed == self.size):
@@ -251,7 +274,7 @@ class ShardFile(_ShardIO):
                                    f"{self.size} planned")
         self._io(os.rename, self.tmp, self.final)
         self._io(fsync_dir, self.final.parent)
-        s = Sealed(self.rel, self.size, self.sha.hexdigest(), hashlib.sha256(self.header).hexdigest())
+        s = Sealed(self.rel, self.size, self.leaves.hexdigest(), hashlib.sha256(self.header).hexdigest())
         self._io(self.journal.record, s)
         self.sealed = s
 
@@ -323,7 +346,7 @@ class ShardSetWriter:
     @staticmethod
     def _write(sh: ShardFile, piece: _Piece) -> None:
         sh.pwrite(piece.data, piece.offset)
-        sh.done(piece.offset, len(memoryview(piece.data).cast("B")))
+        sh.done(piece.offset, len(memoryview(piece.data).cast("B")), digest.leaves_within(piece.data, piece.offset))
 
     def _progress(self, n: int) -> None:
         with self._lock:
@@ -363,12 +386,13 @@ class ShardSetWriter:
             if plan is not None and plan.file not in self.kept:
                 self._shard(plan)
 
-    def written_elsewhere(self, file: str, start: int, n: int) -> None:
-        """A worker process wrote bytes [start, start + n) of the shard `file` (ProcessShardWriter)."""
+    def written_elsewhere(self, file: str, start: int, n: int, leaves: tuple[int, bytes] | None = None) -> None:
+        """A worker process wrote bytes [start, start + n) of the shard `file` (ProcessShardWriter),
+        and took the `leaves` of the whole blocks in them."""
         sh = self._open.get(file)
         if sh is None:
             raise AtomConvertError(f"internal: a worker process wrote {file}, which is not open")
-        sh.done(start, n)
+        sh.done(start, n, leaves)
         self._progress(n)
 
     def use_io(self, io: "_IOThread | None") -> None:
@@ -468,15 +492,15 @@ class ShardSetWriter:
 
 class _ReportingShard(_ShardIO):
     """A shard file as a worker process writes it: its own descriptor (the converting process
-    created the file), and each buffer written is reported instead of hashed here."""
+    created the file), and each buffer written is reported, with the leaves of its whole blocks."""
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
-                 report: Callable[[str, int, int], None]):
+                 report: Callable[[str, int, int, tuple[int, bytes] | None], None]):
         super().__init__(root, rel, plan, offsets, fault, os.O_WRONLY)
         self._report = report
 
-    def done(self, start: int, n: int) -> None:
-        self._report(self.plan.file, start, n)
+    def done(self, start: int, n: int, leaves: tuple[int, bytes] | None = None) -> None:
+        self._report(self.plan.file, start, n, leaves)
 
     def close_fd(self) -> None:
         os.close(self.fd)
@@ -484,13 +508,13 @@ class _ReportingShard(_ShardIO):
 
 class ProcessShardWriter(ShardSetWriter):
     """The writer inside a worker process (procs.py): the same `write` (planned offsets, unit
-    ranges, write-behind thread), through this process's own descriptors; `report(file, start, n)`
-    tells the converting process what was written, whose `written_elsewhere` feeds the shard's
-    hashing thread and the progress bar. It never creates, seals or removes a file."""
+    ranges, write-behind thread), through this process's own descriptors; `report(file, start, n,
+    leaves)` tells the converting process what was written and the leaves of its whole blocks,
+    whose `written_elsewhere` feeds the shard's hashing thread and the progress bar. It never creates, seals or removes a file."""
 
     def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
                  kept: dict[str, Sealed] | None, stop: Any, fault: FaultHook | None,
-                 report: Callable[[str, int, int], None]):
+                 report: Callable[[str, int, int, tuple[int, bytes] | None], None]):
         super().__init__(root, subdir, shards, outputs, None, kept, stop=stop, fault=fault)  # type: ignore[arg-type]
         self._report = report
 

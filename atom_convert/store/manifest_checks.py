@@ -13,15 +13,17 @@ from .._version import __version__
 from ..layout.parallel import REPLICATED, Parallel, ParallelLayout, Split
 from ..errors import BadInputError, ConvertedCheckError, json_kind
 from ..files.dtypes import ST_DTYPE, dtype_from_name
+from . import digest
 
 if TYPE_CHECKING:
     pass
 
 
-# the version this code writes (store/manifest.py re-exports it); 3: files carry a BLAKE3 digest, not
-# sha256 (store/digest.py), which versions 1 and 2 carry and which is still checked as it is
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# the version this code writes (store/manifest.py re-exports it); what digest each version's files
+# carry (4: blake3_blocks, 3: blake3, 1 and 2: sha256) is store/digest.py's KEY_OF_VERSION, and
+# each is still checked as it is
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 # ------------------------------------------------------------------------------------------------
 # Checking a manifest before anything reads it (a damaged, hand-edited or hostile manifest is bad
@@ -304,7 +306,7 @@ def check_manifest(p: Path, m: Any, directory: Path) -> None:
         c.field(m["model"], "model", "moe_layers", _is_str_map, "an object of layer -> kind")
     tensors_ok = c.field(m, "", "tensors", lambda v: isinstance(v, dict), "an object of tensor name -> entry")
     c.field(m, "", "aliases", _is_str_map, "an object of alias -> tensor name", required=False)
-    digest_key = "blake3" if version >= 3 else "sha256"  # store/digest.py
+    digest_key = digest.KEY_OF_VERSION[version]
     if c.field(m, "", "files", lambda v: isinstance(v, dict), f"an object of file name -> bytes, {digest_key}"):
         for rel, meta in m["files"].items():
             where = f"files[{rel!r}]"
