@@ -574,6 +574,52 @@ def test_io_thread_failure_keeps_only_sealed_shards(tiny_checkpoint: Callable[..
         {k: v for k, v in b.items() if not k.endswith("atom_manifest.json")}
 
 
+@pytest.mark.parametrize("key", ["blake3", "sha256"])
+def test_resume_keeps_shards_sealed_by_an_earlier_version(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """A staging journal written by an earlier version records whole-file digests (BLAKE3, sha256): a
+    resume checks each kept shard against the digest its journal gives, keeps it, and the finished
+    manifest records every file under this version's key with this version's digest (verify passes)."""
+    import hashlib
+
+    import blake3
+
+    from atom_convert.check.verify import verify
+
+    real = ShardFile.pwrite
+    calls = {"n": 0}
+
+    def pwrite(sh: ShardFile, data: Any, offset: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 40:
+            sh._io(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        real(sh, data, offset)
+
+    monkeypatch.setattr(ShardFile, "pwrite", pwrite)
+    dst, staging = tmp_path / "dst", tmp_path / ".dst.atom-partial"
+    with pytest.raises(BadInputError, match="no space left"):
+        atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
+    monkeypatch.undo()
+    whole = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[key]
+    jp = staging / ".atom-journal.jsonl"
+    lines = jp.read_text().splitlines()
+    entries = [json.loads(x) for x in lines[1:]]
+    assert entries
+    for e in entries:  # as the earlier version wrote them
+        del e["blake3_blocks"]
+        e[key] = whole((staging / e["sealed"]).read_bytes()).hexdigest()
+    jp.write_text("\n".join([lines[0]] + [json.dumps(e) for e in entries]) + "\n")
+    sealed = {e["sealed"]: (staging / e["sealed"]).stat().st_mtime_ns for e in entries}
+    notes: list[str] = []
+    m = atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB", notify=notes.append)
+    assert any(f"keeping {len(entries)} of" in n for n in notes), notes
+    for rel, mtime in sealed.items():  # kept, not rewritten
+        assert (dst / rel).stat().st_mtime_ns == mtime, rel
+    for rel, meta in m["files"].items():
+        assert set(meta) == {"bytes", "blake3_blocks"} and meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes())
+    assert verify(dst, None).ok
+
+
 @pytest.mark.parametrize("after", [0, 30], ids=["before-any-seal", "after-some-seals"])
 def test_interrupt_keeps_only_sealed_shards(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch, after: int) -> None:

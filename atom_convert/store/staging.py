@@ -526,6 +526,8 @@ class Staging:
             p = r / e.file
             if (planned.get(e.file) == e.plan and e.file in contents.files
                     and p.stat().st_size == e.nbytes and digest.file_digest(p, e.algorithm) == e.digest):
+                if e.algorithm != digest.WRITTEN:  # sealed by an earlier version: the manifest takes this one's
+                    e = Sealed(e.file, e.nbytes, digest.file_digest(p), e.plan)
                 kept.append(e)
         keep = {e.file for e in kept} | {JOURNAL_NAME}
         for rel in contents.files:  # unsealed, unrecorded or damaged: redone
