@@ -2,8 +2,8 @@
 
 Each run is a fresh subprocess converting SRC (read into the page cache first) into a new folder
 under --out (default /dev/shm), with all stages on ("full") or one of them replaced by a no-op:
-- "hash-pread": not a no-op: the hashing threads read the written bytes back with preadv instead
-  of through a mapping (ShardSetWriter's hash_from_map=False);
+- "hash-pread": not a no-op: the hashing threads read the blocks they hash (those no writer sent a
+  leaf for) back with preadv instead of through a mapping (ShardSetWriter's hash_from_map=False);
 - "no-hash": the shards' digest (no writer takes a block's leaf, the hashing threads read nothing,
   the manifest's digests are void);
 - "no-checks": the source value checks (files/values.py: NaN/Inf, fp8 NaN codes, scales);
