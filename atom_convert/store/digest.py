@@ -152,15 +152,22 @@ def new(algorithm: str = WRITTEN) -> Any:
     return _NEW[algorithm]()
 
 
-def file_digest(path: str | Path, algorithm: str = WRITTEN, chunk: int = CHUNK) -> str:
-    """The hex digest of a whole file, read in `chunk`-byte blocks. Where a path may lead is the
-    caller's check (a manifest's file names are confined when it is read: manifest_checks.py)."""
-    h = new(algorithm)
+def file_digests(path: str | Path, algorithms: tuple[str, ...], chunk: int = CHUNK) -> dict[str, str]:
+    """The hex digests of a whole file by each of `algorithms`, in one read of `chunk`-byte blocks.
+    Where a path may lead is the caller's check (a manifest's file names are confined when it is
+    read: manifest_checks.py)."""
+    hs = {a: new(a) for a in algorithms}
     with open(path, "rb", buffering=0) as f:
         buf = memoryview(bytearray(chunk))
         while n := f.readinto(buf):
-            h.update(buf[:n])
-    return h.hexdigest()
+            for h in hs.values():
+                h.update(buf[:n])
+    return {a: h.hexdigest() for a, h in hs.items()}
+
+
+def file_digest(path: str | Path, algorithm: str = WRITTEN, chunk: int = CHUNK) -> str:
+    """The hex digest of a whole file (file_digests)."""
+    return file_digests(path, (algorithm,), chunk)[algorithm]
 
 
 def entry_digest(meta: Mapping[str, Any]) -> tuple[str, str]:
