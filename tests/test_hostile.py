@@ -644,6 +644,15 @@ _value_case("value-fp8-expert-nan-code-gfx942-up-tp2", "fp8", "model.layers.1.ml
             (200, 37), 0x7F, ["byte 0x7F", "shape [128, 320] from index [128])"], ("--tp", "2", "--target", "gfx942", "--workers", "2"))
 _value_case("value-fp8-expert-nan-code-gfx942-gate-tp1", "fp8", "model.layers.2.mlp.experts.0.gate_proj.weight",
             (3, 5), 0xFF, ["byte 0xFF"], ("--target", "gfx942"))
+# gfx950 scans the shuffled expert weight for NaN codes and then runs the deferred check (postload.py
+# _nan_rechecked): the same reports as the read's own check
+_value_case("value-fp8-expert-nan-code-gfx950-down-tp2", "fp8", "model.layers.2.mlp.experts.5.down_proj.weight",
+            (300, 200), 0x7F, ["byte 0x7F", "(1 such element(s)", "shape [320, 128] from index [0, 128])"],
+            ("--tp", "2", "--target", "gfx950"))
+_value_case("value-fp8-expert-nan-code-gfx950-up-tp2", "fp8", "model.layers.1.mlp.experts.3.up_proj.weight",
+            (200, 37), 0xFF, ["byte 0xFF", "shape [128, 320] from index [128])"], ("--tp", "2", "--target", "gfx950", "--workers", "2"))
+_value_case("value-fp8-expert-nan-code-gfx950-gate-tp1", "fp8", "model.layers.2.mlp.experts.0.gate_proj.weight",
+            (3, 5), 0x7F, ["byte 0x7F"], ("--target", "gfx950"))
 _value_case("value-fp8-expert-scale-nan-tp2", "fp8", "model.layers.1.mlp.experts.6.up_proj.weight_scale_inv", (1, 2),
             float("nan"), ["NaN"], ("--tp", "2"))
 _value_case("value-bf16-weight-nan", "bf16", "model.layers.0.self_attn.q_b_proj.weight", (3, 4), float("nan"), ["NaN"])
@@ -763,8 +772,8 @@ def test_allow_nonfinite_converts_and_records_each_tensor(sources: Sources, tmp_
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])
 def test_allow_nonfinite_records_expert_nan_codes_alike_on_both_targets(sources: Sources, tmp_path: Path,
                                                                         target: str) -> None:
-    """An fp8 expert's NaN codes, checked as read on gfx950 and in the fnuz pass on gfx942
-    (postload.py): the same records (file, tensor, stored index, value), one per tensor though both
+    """An fp8 expert's NaN codes, found in the shuffled weight on gfx950 and in the fnuz pass on gfx942
+    (postload.py), then reported by the source's check: the same records (file, tensor, stored index, value), one per tensor though both
     ranks' slices of up_proj hold one (the smallest index kept), and the output passes verify's checks."""
     src = _fp8(sources)
     pokes = [("model.layers.1.mlp.experts.2.up_proj.weight", (5, 9), 0x7F),

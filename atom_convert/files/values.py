@@ -40,6 +40,14 @@ _NONFINITE_BITS: dict[torch.dtype, tuple[torch.dtype, str, int, int]] = {
 }
 
 
+def has_fp8_nan_code(t: torch.Tensor) -> bool:
+    """True when an e4m3fn tensor's bytes (any strides) hold a NaN code: the two codes are the largest
+    byte as uint8 (0xFF) and as int8 (0x7F), so two reductions and no temporary. (`amax`, not `max`:
+    torch's uint8 `max()` is ~50x slower.)"""
+    b = t.view(torch.uint8)
+    return int(b.amax()) == _FP8_NAN_NEG or int(b.view(torch.int8).amax()) == _FP8_NAN_POS
+
+
 def _has_nonfinite(t: torch.Tensor) -> bool:
     """True when `t` (a dtype of _NONFINITE_BITS, any strides) holds a NaN or an infinity."""
     signed, unsigned, pos, neg = _NONFINITE_BITS[t.dtype]
@@ -66,11 +74,8 @@ class ValueGuard:
         if t.numel() == 0:
             return
         if t.dtype == torch.float8_e4m3fn:
-            # The two NaN codes are the largest byte as uint8 (0xFF) and as int8 (0x7F): two
-            # reductions, no temporary. (`amax`, not `max`: torch's uint8 `max()` is ~50x slower.)
-            b = t.view(torch.uint8)
-            if int(b.amax()) == _FP8_NAN_NEG or int(b.view(torch.int8).amax()) == _FP8_NAN_POS:
-                self._report(name, file, t, origin, (b & 0x7F) == 0x7F,
+            if has_fp8_nan_code(t):
+                self._report(name, file, t, origin, (t.view(torch.uint8) & 0x7F) == 0x7F,
                              "fp8 NaN code (e4m3fn 0x7F/0xFF; gfx942's e4m3fnuz would read it as a finite value)")
         elif t.dtype in _NONFINITE_BITS:
             if _has_nonfinite(t):

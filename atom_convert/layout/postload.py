@@ -17,6 +17,7 @@ from . import buffers
 from ..errors import UnsupportedError
 from .codecs.fnuz import fnuz_normalize_, fnuz_normalize_scan_, target_scale
 from ..files.dtypes import FP8_BLOCK, FP8_DTYPE_BY_TARGET
+from ..files.values import has_fp8_nan_code
 from .codecs.fp8_block import cdiv
 from .codecs.mxfp4 import E8M0_SHUFFLE_COLS, E8M0_SHUFFLE_ROWS, MXFP4_BLOCK, e8m0_shuffle
 from .codecs.shuffle import shuffle16, shuffle16_into, shuffle_requirements_met
@@ -195,12 +196,13 @@ class Fp8MoEPostLoad(MoEPostLoad):
         }
 
     def scans_values(self, target: str) -> bool:
-        # gfx942: the fnuz pass reads every byte of the shuffled weight in L2-sized steps and finds
-        # e4m3fn NaN codes on the way (fnuz_normalize_scan_), where the read's check would read the
-        # source twice more (two reductions; about a tenth of a gfx942 conversion's CPU time on the
-        # 2-core box, BENCHMARKS.md, issue 9, seventh round). The shuffle moves bytes and fnuz
-        # clears only 0x80, so a NaN code is in the output exactly when it is in the source.
-        return FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz
+        # The shuffled weight is scanned for e4m3fn NaN codes while it is in the cache, where the
+        # read's check would read the source from memory: on gfx942 in the fnuz pass, in L2-sized
+        # steps (fnuz_normalize_scan_; about a tenth of a gfx942 conversion's CPU time on the 2-core
+        # box, BENCHMARKS.md, issue 9, seventh round), on gfx950 by the check's own two reductions
+        # (_nan_rechecked). The shuffle moves bytes and fnuz clears only 0x80, so a NaN code is in
+        # the output exactly when it is in the source.
+        return True
 
     def w13(self, gate: Any, up: Any, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         # [gate; up] shuffled straight into one tensor, then fnuz in place on gfx942: the same bytes
@@ -209,6 +211,8 @@ class Fp8MoEPostLoad(MoEPostLoad):
         w = _stack_shuffled([gate.weight, up.weight])
         if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
             w = _fnuz_rechecked(w, [gate, up])
+        else:
+            w = _nan_rechecked(w, [gate, up])
         # cat copies: a view would keep the expert's file pages mapped
         return w, target_scale(torch.cat([gate.scale, up.scale], 0), target)
 
@@ -281,7 +285,20 @@ def _fp8_shuffled(w: torch.Tensor, target: str, parts: Sequence[Any] = ()) -> to
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {w.dtype}")
     out = shuffle16(w)
-    return _fnuz_rechecked(out, parts) if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz else out
+    if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
+        return _fnuz_rechecked(out, parts)
+    return _nan_rechecked(out, parts)
+
+
+def _nan_rechecked(w: torch.Tensor, parts: Sequence[Any]) -> torch.Tensor:
+    """gfx950's counterpart of `_fnuz_rechecked`: `w` (e4m3fn, made from the parts' weights) scanned
+    for NaN codes while it is hot; the parts' deferred checks run only when it holds one, and the
+    first bad part reports as its read would have."""
+    rechecks = [p.recheck for p in parts if p.recheck is not None]
+    if rechecks and has_fp8_nan_code(w):
+        for recheck in rechecks:
+            recheck()
+    return w
 
 
 def _fnuz_rechecked(w: torch.Tensor, parts: Sequence[Any]) -> torch.Tensor:
