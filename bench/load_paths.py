@@ -560,6 +560,7 @@ def main() -> int:
                     "process each, warm")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ceilings", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="warm calls per method")
     ap.add_argument("--pools", action="store_true", help="also time pinning (torch, THP + cudaHostRegister) and a "
                     "memcpy into a THP pool")
     a = ap.parse_args()
@@ -615,6 +616,11 @@ def main() -> int:
 
     def method(spec: str) -> tuple[Callable[[], Any], dict[str, float]]:
         st: dict[str, float] = {}
+        if spec.startswith("pipe"):  # pipe16x4d3: the pread pipeline, 16 threads, 4 MB chunks, 3 buffers a thread
+            t, _, rest = spec[4:].partition("x")
+            c, _, d = rest.partition("d")
+            os.environ["ATOM_CONVERT_LOAD_DEPTH"] = d or "2"
+            return ours(files, dev, int(t), chunk=int(c) << 20), st
         if spec.startswith("pread"):  # pread16, pread16thp, pread16thp8 (chunk MB), pread16nodirect
             from atom_convert.serve import transfer
             transfer.DIRECT_READS = not spec.endswith("nodirect")
@@ -651,7 +657,7 @@ def main() -> int:
     for spec in a.warm.split(","):
         fn, st = method(spec)
         runs = []
-        for _ in range(3):
+        for _ in range(a.repeat):
             s, d = timed(fn)
             runs.append(rate(s))
             ok = check(files, d) if d is not None else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -274,13 +275,15 @@ class _FakeCuda:
     stream = device
 
 
-@pytest.mark.parametrize("threads,chunk,reader,cold", [(1, 4096, "pread", False), (3, 5000, "pread", False),
-                                                       (4, 1 << 20, "pread", False), (3, 8192, "mmap", False),
-                                                       (3, 8192, "pread", True), (2, 1 << 20, "pread", True)])
-def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold):
+@pytest.mark.parametrize("threads,chunk,reader,cold,depth", [(1, 4096, "pread", False, 2), (3, 5000, "pread", False, 2),
+                                                             (4, 1 << 20, "pread", False, 2), (3, 8192, "mmap", False, 2),
+                                                             (3, 8192, "pread", True, 2), (2, 1 << 20, "pread", True, 2),
+                                                             (3, 5000, "pread", False, 1), (2, 4096, "pread", False, 5)])
+def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold, depth):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
     to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned). Cold:
-    page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT."""
+    page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT. Depth:
+    pinned buffers per thread (ATOM_CONVERT_LOAD_DEPTH); each thread's buffers are distinct ones."""
     import mmap
     import os
 
@@ -301,7 +304,10 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
         real_read = transfer._read_chunk
         monkeypatch.setattr(transfer, "_read_chunk", lambda *a: seen.append(real_read(*a)) or seen[-1])
     else:
-        monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: torch.empty(size, dtype=torch.uint8))
+        monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: handed.append(
+            (threading.get_ident(), index)) or torch.empty(size, dtype=torch.uint8))
+    handed: list[tuple[int, int]] = []
+    monkeypatch.setenv("ATOM_CONVERT_LOAD_DEPTH", str(depth))
     view = rank_view(d, 1)
     slots = {n: TensorSlot(n, r.dtype, r.shape) for n, r in view.tensors.items()}
     by_file: dict[str, list] = {}
@@ -311,6 +317,12 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
     transfer._place_cuda(reads, torch.device("cpu"), threads=threads, chunk_bytes=chunk, reader=reader)
     if cold and transfer._open_direct(d / "atom_manifest.json") is not None and transfer._mincore() is not None:
         assert "direct" in seen, seen
+    if handed:  # thread w's k-th chunk goes through buffer w * depth + k % depth: no buffer is two threads'
+        owner: dict[int, int] = {}
+        for thread, index in handed:
+            assert owner.setdefault(index, thread) == thread and 0 <= index < threads * depth, handed
+        per_thread = {t: {i for u, i in handed if u == t} for t, _ in handed}
+        assert all(len(b) == min(depth, sum(u == t for u, _ in handed)) for t, b in per_thread.items()), handed
     files = _file_bytes(d, 1)
     for n, s in slots.items():
         assert torch.equal(_bytes(s.tensor), files[n]), n

@@ -59,6 +59,8 @@ HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_
 # writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
 CPU_VIEW_ALIGN = 16
 DEFAULT_CHUNK_BYTES = 32 << 20
+# Pinned buffers per copy thread: a thread reads into one while the copies out of the others run.
+DEFAULT_DEPTH = 2
 # The pread reader reads what the page cache lacks with O_DIRECT (ATOM_CONVERT_LOAD_DIRECT=0: never).
 DIRECT_READS = os.environ.get("ATOM_CONVERT_LOAD_DIRECT", "1") != "0"
 # After Ctrl-C, how long the caller waits for the copy threads to finish their chunk in hand
@@ -205,10 +207,11 @@ def prepare_pool(threads: int | None = None, chunk_bytes: int | None = None) -> 
         return None
     threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
     chunk = _chunk_size(chunk_bytes)
+    depth = _depth()
 
     def pin() -> None:
         try:
-            for i in range(2 * threads):
+            for i in range(depth * threads):
                 _pinned_buffer(i, chunk)
         except Exception as e:  # a pool that cannot be pinned now is pinned (or refused) by the load itself
             log.debug("prepare_pool: %s", e)
@@ -217,6 +220,10 @@ def prepare_pool(threads: int | None = None, chunk_bytes: int | None = None) -> 
     t.start()
     _preparing.append(t)
     return t
+
+
+def _depth() -> int:
+    return max(1, int(os.environ.get("ATOM_CONVERT_LOAD_DEPTH", DEFAULT_DEPTH)))
 
 
 def _chunk_size(chunk_bytes: int | None) -> int:
@@ -335,6 +342,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
 
     threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
     chunk = _chunk_size(chunk_bytes)
+    depth = _depth()
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
     if reader not in READERS:
         raise BadInputError(f"load reader {reader!r} is not one of {', '.join(READERS)} (ATOM_CONVERT_LOAD_READER)")
@@ -402,7 +410,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             if int(getattr(err, "value", err)) != 0:
                 raise RuntimeError(f"cudaHostRegister of {path} bytes {off}..{off + n} failed ({err})")
             return torch.from_numpy(arr)  # read-only mapping (its warning is silenced): only read from
-        buf = _pinned_buffer(2 * w + slot, chunk)
+        buf = _pinned_buffer(depth * w + slot, chunk)
         if reader == "mmap":
             np.copyto(buf.numpy()[:n], maps[path][1][off:off + n])
             return buf
@@ -416,7 +424,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     def worker(w: int) -> None:
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
-            pending: list[Any] = [None, None]  # per buffer slot: (event, registered pointer or None)
+            pending: list[Any] = [None] * depth  # per buffer slot: (event, registered pointer or None)
             k = 0
             while not errors and not inflight.stopped:
                 with lock:
@@ -424,7 +432,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 if idx is None:
                     break
                 path, off, n, pieces = jobs[idx]
-                slot = k % 2
+                slot = k % depth
                 if pending[slot] is not None:
                     ev, ptr = pending[slot]
                     ev.synchronize()  # the last copy out of this buffer is done
