@@ -179,3 +179,13 @@ def test_convert_stages_switches_off_what_it_names(tiny_checkpoint: Callable[...
     assert by["no-hash"]["digests_void"] and not by["full"]["digests_void"] and not by["nice0"]["digests_void"]
     assert not by["hash-pread"]["digests_void"] and not by["no-gc"]["digests_void"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stages.json"]  # the outputs are gone
+
+
+def test_expert_cpu_writes_the_shuffled_experts_and_removes_its_file(tiny_checkpoint: Callable[..., Path],
+                                                                     tmp_path: Path) -> None:
+    """bench/expert_cpu.py times the per-expert steps on rank 0's cut and checks what it wrote."""
+    src = tiny_checkpoint(PRESET, "fp8")
+    text = _run("bench/expert_cpu.py", str(src), "--tp", "2", "--experts", "3", "--rounds", "1", "--out", str(tmp_path))
+    assert "equal to shuffle16 of [gate; up] and of down" in text, text
+    assert "whole, check on the shuffled weight" in text, text
+    assert list(tmp_path.iterdir()) == []
