@@ -205,7 +205,7 @@ def prepare_pool(threads: int | None = None, chunk_bytes: int | None = None) -> 
     without a CUDA device); `place_cuda` uses whatever it has pinned and pins the rest itself."""
     if not torch.cuda.is_available():
         return None
-    threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
+    threads = threads or _env_count("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS)
     chunk = _chunk_size(chunk_bytes)
     depth = _depth()
 
@@ -222,12 +222,28 @@ def prepare_pool(threads: int | None = None, chunk_bytes: int | None = None) -> 
     return t
 
 
+def _env_count(name: str, default: int) -> int:
+    """A positive whole number from the environment variable `name` (`default` when unset);
+    BadInputError naming the variable and its value otherwise."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise BadInputError(f"{name}={text!r}: expected a whole number of at least 1 (default {default}); "
+                            f"set it to one, or unset it")
+    return value
+
+
 def _depth() -> int:
-    return max(1, int(os.environ.get("ATOM_CONVERT_LOAD_DEPTH", DEFAULT_DEPTH)))
+    return _env_count("ATOM_CONVERT_LOAD_DEPTH", DEFAULT_DEPTH)
 
 
 def _chunk_size(chunk_bytes: int | None) -> int:
-    chunk = chunk_bytes or int(os.environ.get("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES))
+    chunk = chunk_bytes or _env_count("ATOM_CONVERT_LOAD_CHUNK", DEFAULT_CHUNK_BYTES)
     return max(PAGE, chunk // PAGE * PAGE)
 
 
@@ -340,7 +356,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 chunk_bytes: int | None, reader: str | None = None) -> str:
     import numpy as np  # here, not at import time: only this GPU path needs it
 
-    threads = threads or int(os.environ.get("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS))
+    threads = threads or _env_count("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS)
     chunk = _chunk_size(chunk_bytes)
     depth = _depth()
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
