@@ -914,3 +914,26 @@ def test_real_configs_and_their_spellings_are_accepted(preset: str) -> None:
                 "tie_word_embeddings", "rope_scaling", "quantization_config")
     ModelSpec.from_config(dict(cfg, **{k: None for k in optional}))
     detect_format(dict(cfg, quantization_config=None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["contiguous", "columns", "1-d"])
+def test_float_check_of_a_large_tensor_piece_by_piece(dtype: torch.dtype, layout: str) -> None:
+    """A tensor larger than two check pieces (values.CHECK_PIECE_BYTES) is checked piece by piece: a NaN or
+    an infinity in any piece, the last one's last element included, is found and reported at its index
+    (contiguous, a column slice of a wider matrix, 1-D), and a finite tensor passes."""
+    from atom_convert.files import values
+
+    gen = torch.Generator().manual_seed(11)
+    rows = 3 * values.CHECK_PIECE_BYTES // (96 * dtype.itemsize) + 7  # a little over three pieces
+    whole = torch.randn(rows, 128, generator=gen).to(dtype)
+    t = {"contiguous": whole[:, :96].contiguous(), "columns": whole[:, 16:112], "1-d": whole[:, :96].reshape(-1)}[layout]
+    assert t.numel() * t.element_size() > 2 * values.CHECK_PIECE_BYTES
+    ValueGuard().check("t", "f", t)
+    flat = t.reshape(-1).numel()
+    for at, bad in ((flat - 1, float("nan")), (flat // 2 + 3, float("-inf")), (5, float("inf"))):
+        u = t.clone() if layout != "columns" else whole.clone()[:, 16:112]
+        idx = list(torch.unravel_index(torch.tensor(at), u.shape))
+        u[tuple(idx)] = bad
+        with pytest.raises(BadInputError, match=rf"first at index \[{', '.join(str(int(i)) for i in idx)}\]"):
+            ValueGuard().check("t", "f", u)

@@ -48,11 +48,25 @@ def has_fp8_nan_code(t: torch.Tensor) -> bool:
     return int(b.amax()) == _FP8_NAN_NEG or int(b.view(torch.int8).amax()) == _FP8_NAN_POS
 
 
+# The two reductions of a large tensor run piece by piece: the second then reads the piece from the
+# cache, not from memory (bf16 on one core of the 2-core box: 10.5 GB/s whole, 16.9 in 0.9 MB pieces).
+CHECK_PIECE_BYTES = 1 << 20
+
+
 def _has_nonfinite(t: torch.Tensor) -> bool:
     """True when `t` (a dtype of _NONFINITE_BITS, any strides) holds a NaN or an infinity."""
     signed, unsigned, pos, neg = _NONFINITE_BITS[t.dtype]
     a = t.view(signed).numpy()  # numpy is imported here, by torch, not when atom_convert is
-    return int(a.max()) >= pos or int(a.view(unsigned).max()) >= neg
+    if a.ndim == 0 or a.nbytes <= 2 * CHECK_PIECE_BYTES:
+        return int(a.max()) >= pos or int(a.view(unsigned).max()) >= neg
+    if a.flags.c_contiguous:
+        a = a.reshape(-1)
+    step = max(1, CHECK_PIECE_BYTES // max(1, a[0].nbytes))  # leading-dim entries per piece
+    for i in range(0, a.shape[0], step):
+        piece = a[i:i + step]
+        if int(piece.max()) >= pos or int(piece.view(unsigned).max()) >= neg:
+            return True
+    return False
 
 
 @dataclass
