@@ -773,8 +773,9 @@ def test_allow_nonfinite_converts_and_records_each_tensor(sources: Sources, tmp_
 def test_allow_nonfinite_records_expert_nan_codes_alike_on_both_targets(sources: Sources, tmp_path: Path,
                                                                         target: str) -> None:
     """An fp8 expert's NaN codes, found in the shuffled weight on gfx950 and in the fnuz pass on gfx942
-    (postload.py), then reported by the source's check: the same records (file, tensor, stored index, value), one per tensor though both
-    ranks' slices of up_proj hold one (the smallest index kept), and the output passes verify's checks."""
+    (postload.py), then reported by the source's check: the same records (file, tensor, stored index,
+    value), one per tensor though both ranks' slices of up_proj hold one (the smallest index kept), and
+    the output passes verify's checks."""
     src = _fp8(sources)
     pokes = [("model.layers.1.mlp.experts.2.up_proj.weight", (5, 9), 0x7F),
              ("model.layers.1.mlp.experts.2.up_proj.weight", (250, 1), 0xFF),  # the same tensor, rank 1's rows
