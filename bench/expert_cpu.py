@@ -59,8 +59,7 @@ def main() -> int:
     import warnings
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     ws = experts(a.src, a.layer, a.experts, a.tp)
-    g0, _, d0 = ws[0]
-    il, H = g0.shape
+    il, H = ws[0][0].shape
     per = sum(x.numel() for x in ws[0])
     o13 = torch.empty((2 * il, H), dtype=torch.uint8)
     o2 = torch.empty((H, il), dtype=torch.uint8)

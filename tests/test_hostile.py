@@ -645,7 +645,7 @@ _value_case("value-fp8-expert-nan-code-gfx942-up-tp2", "fp8", "model.layers.1.ml
 _value_case("value-fp8-expert-nan-code-gfx942-gate-tp1", "fp8", "model.layers.2.mlp.experts.0.gate_proj.weight",
             (3, 5), 0xFF, ["byte 0xFF"], ("--target", "gfx942"))
 # gfx950 scans the shuffled expert weight for NaN codes and then runs the deferred check (postload.py
-# _nan_rechecked): the same reports as the read's own check
+# _to_target_scanned): the same reports as the read's own check
 _value_case("value-fp8-expert-nan-code-gfx950-down-tp2", "fp8", "model.layers.2.mlp.experts.5.down_proj.weight",
             (300, 200), 0x7F, ["byte 0x7F", "(1 such element(s)", "shape [320, 128] from index [0, 128])"],
             ("--tp", "2", "--target", "gfx950"))

@@ -49,7 +49,8 @@ def has_fp8_nan_code(t: torch.Tensor) -> bool:
 
 
 # The two reductions of a large tensor run piece by piece: the second then reads the piece from the
-# cache, not from memory (bf16 on one core of the 2-core box: 10.5 GB/s whole, 16.9 in 0.9 MB pieces).
+# cache, not from memory (a 463 MB bf16 tensor on one core of the 2-core box: 12 GB/s per CPU-second
+# whole, 18 in pieces; BENCHMARKS.md, seventeenth round).
 CHECK_PIECE_BYTES = 1 << 20
 
 

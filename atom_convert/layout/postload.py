@@ -200,7 +200,7 @@ class Fp8MoEPostLoad(MoEPostLoad):
         # read's check would read the source from memory: on gfx942 in the fnuz pass, in L2-sized
         # steps (fnuz_normalize_scan_; about a tenth of a gfx942 conversion's CPU time on the 2-core
         # box, BENCHMARKS.md, issue 9, seventh round), on gfx950 by the check's own two reductions
-        # (_nan_rechecked). The shuffle moves bytes and fnuz clears only 0x80, so a NaN code is in
+        # (_to_target_scanned). The shuffle moves bytes and fnuz clears only 0x80, so a NaN code is in
         # the output exactly when it is in the source.
         return True
 
@@ -208,11 +208,7 @@ class Fp8MoEPostLoad(MoEPostLoad):
         # [gate; up] shuffled straight into one tensor, then fnuz in place on gfx942: the same bytes
         # as fnuz -> cat -> shuffle16 with one pass and one allocation fewer (each part is a whole
         # number of 16-row bands; fnuz is per byte).
-        w = _stack_shuffled([gate.weight, up.weight])
-        if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
-            w = _fnuz_rechecked(w, [gate, up])
-        else:
-            w = _nan_rechecked(w, [gate, up])
+        w = _to_target_scanned(_stack_shuffled([gate.weight, up.weight]), target, [gate, up])
         # cat copies: a view would keep the expert's file pages mapped
         return w, target_scale(torch.cat([gate.scale, up.scale], 0), target)
 
@@ -281,39 +277,30 @@ class Mxfp4MoEPostLoad(MoEPostLoad):
 
 def _fp8_shuffled(w: torch.Tensor, target: str, parts: Sequence[Any] = ()) -> torch.Tensor:
     """shuffle16(fnuz(w)) on gfx942, shuffle16(w) on gfx950, as one fresh tensor; `parts`: the
-    LinearData w is the weight of, for their deferred value checks (`_fnuz_rechecked`)."""
+    LinearData w is the weight of, for their deferred value checks (`_to_target_scanned`)."""
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8 weight expected as float8_e4m3fn, got {w.dtype}")
-    out = shuffle16(w)
+    return _to_target_scanned(shuffle16(w), target, parts)
+
+
+def _to_target_scanned(w: torch.Tensor, target: str, parts: Sequence[Any]) -> torch.Tensor:
+    """`w` (e4m3fn, shuffled, made from the parts' weights: LinearData) in the target's fp8: fnuz in
+    place on gfx942, unchanged on gfx950. Parts read with their value check deferred (`recheck` set)
+    are checked here: `w` is scanned for e4m3fn NaN codes while it is hot (in the fnuz pass on gfx942,
+    by two reductions on gfx950), and only when it holds one do their checks run, the first bad one
+    reporting as the read would have (BadInputError naming file, tensor and stored index; with
+    --allow-nonfinite, the manifest's record)."""
+    rechecks = [p.recheck for p in parts if p.recheck is not None]
     if FP8_DTYPE_BY_TARGET[target] == torch.float8_e4m3fnuz:
-        return _fnuz_rechecked(out, parts)
-    return _nan_rechecked(out, parts)
-
-
-def _nan_rechecked(w: torch.Tensor, parts: Sequence[Any]) -> torch.Tensor:
-    """gfx950's counterpart of `_fnuz_rechecked`: `w` (e4m3fn, made from the parts' weights) scanned
-    for NaN codes while it is hot; the parts' deferred checks run only when it holds one, and the
-    first bad part reports as its read would have."""
-    rechecks = [p.recheck for p in parts if p.recheck is not None]
-    if rechecks and has_fp8_nan_code(w):
-        for recheck in rechecks:
-            recheck()
-    return w
-
-
-def _fnuz_rechecked(w: torch.Tensor, parts: Sequence[Any]) -> torch.Tensor:
-    """fnuz in place on `w`, made from the parts' weights (LinearData). Parts read with their value
-    check deferred (`recheck` set) are checked here: when the fnuz pass meets an e4m3fn NaN code,
-    their checks run, and the first bad one reports as the read would have (BadInputError naming
-    file, tensor and stored index; with --allow-nonfinite, the manifest's record)."""
-    rechecks = [p.recheck for p in parts if p.recheck is not None]
-    if not rechecks:
-        return fnuz_normalize_(w)
-    out, nan = fnuz_normalize_scan_(w)
+        if not rechecks:
+            return fnuz_normalize_(w)
+        w, nan = fnuz_normalize_scan_(w)
+    else:
+        nan = bool(rechecks) and has_fp8_nan_code(w)
     if nan:
         for recheck in rechecks:
             recheck()
-    return out
+    return w
 
 
 def _stack_shuffled(parts: list[torch.Tensor]) -> torch.Tensor:
