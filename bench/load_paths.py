@@ -415,10 +415,17 @@ def hybrid(files: list[Path], dev: torch.device, preaders: int, regs: int, group
 _keep: list[Any] = []
 
 
-def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int) -> Callable[[], Any]:
-    """The pipeline's GPU half alone: the same chunks and copies from pinned buffers, nothing read."""
+def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int, submit: str = "torch",
+             depth: int = 2) -> Callable[[], Any]:
+    """The pipeline's GPU half alone: the same chunks and copies from pinned buffers, nothing read,
+    enqueued by torch or by the runtime library's calls (serve/transfer.py's queues)."""
+    from atom_convert.serve import runtime_calls
+    from atom_convert.serve.transfer import _RuntimeQueue, _TorchQueue
     hdrs = headers(files)
-    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(depth * threads)]
+    rt = runtime_calls.calls() if submit == "runtime" else None
+    if submit == "runtime" and rt is None:
+        raise SystemExit("no runtime library found in the process")
 
     def run() -> Any:
         dsts = destinations(hdrs, dev)
@@ -433,25 +440,22 @@ def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int) -> 
         def work(w: int) -> None:
             with torch.cuda.device(dev):
                 st = torch.cuda.Stream(dev)
-                evs: list[Any] = [None, None]
+                q = _TorchQueue(st, depth) if rt is None else _RuntimeQueue(st, depth, rt)
+                used = [False] * depth
                 k = 0
                 while True:
                     with lock:
                         pcs = next(it, None)
                     if pcs is None:
                         break
-                    sl = k % 2
-                    if evs[sl] is not None:
-                        evs[sl].synchronize()
-                    buf = bufs[2 * w + sl]
-                    with torch.cuda.stream(st):
-                        for d, at, ln in pcs:
-                            d.copy_(buf[at:at + ln], non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(st)
-                    evs[sl] = ev
+                    sl = k % depth
+                    if used[sl]:
+                        q.wait(sl)
+                    q.enqueue(sl, bufs[depth * w + sl], pcs)
+                    used[sl] = True
                     k += 1
-                st.synchronize()
+                q.finish()
+                q.release()
 
         ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
         for t in ts:
@@ -556,20 +560,28 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cold", default="pread16,direct8x16,direct16x16,direct4x64")
     ap.add_argument("--warm", default="pread16,reg:256:4,reg:256:8,reg:1024:2,reg:64:16,regpop:256:8")
-    ap.add_argument("--first-call", default="", help="chunk MB list: load_into's first and second call in a fresh "
-                    "process each, warm")
+    ap.add_argument("--first-call", default="", help="list of CHUNK_MB[:MODEL_BUILD_S[:SUBMIT]]: load_into's first "
+                    "and second call in a fresh process each, warm")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ceilings", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="warm calls per method")
+    ap.add_argument("--rounds", type=int, default=1, help="the --warm list run this many times over, interleaved")
+    ap.add_argument("--submit", choices=("torch", "runtime"), default=None, help="ATOM_CONVERT_LOAD_SUBMIT for "
+                    "the loader's calls (the first-call children included)")
     ap.add_argument("--pools", action="store_true", help="also time pinning (torch, THP + cudaHostRegister) and a "
                     "memcpy into a THP pool")
     a = ap.parse_args()
+    if a.submit:
+        os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = a.submit
     dev = torch.device("cuda", 0)
     torch.cuda.init()
     torch.empty(1, device=dev)  # a server's CUDA context exists before it loads weights
     files = make_files(a.workdir, a.files, int(a.file_gb * GB))
     if a.child:
         c, _, prep = a.child.partition(":")
+        prep, _, submit = prep.partition(":")
+        if submit:
+            os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = submit
         if prep:  # as the runtime hooks do: the pool pinned while the server builds its model
             from atom_convert.serve.transfer import prepare_pool
             t = prepare_pool(16, int(c) << 20)
@@ -583,7 +595,8 @@ def main() -> int:
             out.append(round(total_c / sec / GB, 2))
             del d
             torch.cuda.empty_cache()
-        print(json.dumps({"chunk_mb": int(c), "model_build_s": float(prep or 0), "first": out[0], "second": out[1]}))
+        print(json.dumps({"chunk_mb": int(c), "model_build_s": float(prep or 0), "first": out[0], "second": out[1],
+                          "submit": os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", "torch")}))
         return 0
     if a.first_call:
         import subprocess
@@ -616,10 +629,16 @@ def main() -> int:
 
     def method(spec: str) -> tuple[Callable[[], Any], dict[str, float]]:
         st: dict[str, float] = {}
-        if spec.startswith("pipe"):  # pipe16x4d3: the pread pipeline, 16 threads, 4 MB chunks, 3 buffers a thread
-            t, _, rest = spec[4:].partition("x")
+        if spec.startswith(("pipe", "rt")):  # pipe16x4d3: the pread pipeline, 16 threads, 4 MB chunks, 3 buffers
+            # a thread, copies enqueued by torch; rt16x4d3: the same through the runtime's calls; rts: its events
+            # wait asleep (blocking sync) instead of spinning
+            from atom_convert.serve import transfer
+            kind = "rts" if spec.startswith("rts") else "rt" if spec.startswith("rt") else "pipe"
+            t, _, rest = spec[len(kind):].partition("x")
             c, _, d = rest.partition("d")
             os.environ["ATOM_CONVERT_LOAD_DEPTH"] = d or "2"
+            os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = "torch" if kind == "pipe" else "runtime"
+            transfer._RuntimeQueue.blocking = kind == "rts"
             return ours(files, dev, int(t), chunk=int(c) << 20), st
         if spec.startswith("pread"):  # pread16, pread16thp, pread16thp8 (chunk MB), pread16nodirect
             from atom_convert.serve import transfer
@@ -631,9 +650,12 @@ def main() -> int:
         if spec.startswith("direct"):
             t, c = spec[6:].split("x")
             return direct(files, dev, int(t), int(c) << 20), st
-        if spec.startswith("h2d"):
-            t, c = spec[3:].split("x")
-            return h2d_only(files, dev, int(t), int(c) << 20), st
+        if spec.startswith("h2d"):  # h2d16x8: torch's copies; h2drt16x8d3: the runtime's calls, 3 buffers a thread
+            rest = spec[3:]
+            submit = "runtime" if rest.startswith("rt") else "torch"
+            t, _, c = rest.removeprefix("rt").partition("x")
+            c, _, d = c.partition("d")
+            return h2d_only(files, dev, int(t), int(c) << 20, submit, int(d or 2)), st
         if spec.startswith("hyb"):
             _, pt, rt, g = spec.split(":")
             return hybrid(files, dev, int(pt), int(rt), int(g), stats=st), st
@@ -643,7 +665,7 @@ def main() -> int:
         return registered(files, dev, int(r) << 20, int(t), kind == "regpop", st), st
 
     cold: dict[str, Any] = {}
-    for spec in a.cold.split(","):
+    for spec in filter(None, a.cold.split(",")):
         fn, st = method(spec)
         drop_cache(files)
         s, d = timed(fn)
@@ -654,13 +676,15 @@ def main() -> int:
     rep["cold"] = cold
     disk_read(files, 8, False)
     warm: dict[str, Any] = {}
-    for spec in a.warm.split(","):
+    for spec in [x for _ in range(a.rounds) for x in a.warm.split(",") if x]:
         fn, st = method(spec)
-        runs = []
+        runs = warm.get(spec, {}).get("gbps", [])
+        ok = warm.get(spec, {}).get("ok")
         for _ in range(a.repeat):
             s, d = timed(fn)
             runs.append(rate(s))
-            ok = check(files, d) if d is not None else None
+            good = check(files, d) if d is not None else None
+            ok = good if ok is None else ok and good is not False
             del d
             torch.cuda.empty_cache()
         warm[spec] = {"gbps": runs, "ok": ok, **{k: round(v, 4) for k, v in st.items()}}

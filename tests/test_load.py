@@ -253,6 +253,8 @@ class _FakeCuda:
     of many tensors per chunk, tensors spanning chunks, several files and threads) runs on a CPU."""
 
     class Stream:
+        cuda_stream = 0
+
         def __init__(self, *a):
             pass
 
@@ -275,15 +277,46 @@ class _FakeCuda:
     stream = device
 
 
-@pytest.mark.parametrize("threads,chunk,reader,cold,depth", [(1, 4096, "pread", False, 2), (3, 5000, "pread", False, 2),
-                                                             (4, 1 << 20, "pread", False, 2), (3, 8192, "mmap", False, 2),
-                                                             (3, 8192, "pread", True, 2), (2, 1 << 20, "pread", True, 2),
-                                                             (3, 5000, "pread", False, 1), (2, 4096, "pread", False, 5)])
-def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold, depth):
+class _HostRuntime:
+    """Stand-in for serve/runtime_calls.RuntimeCalls on a CPU: a copy is a memmove between the two
+    addresses (so pointer arithmetic errors show as wrong bytes), events are counted."""
+
+    def __init__(self):
+        self.made = self.freed = self.copies = 0
+
+    def copy_to_device(self, dst, src, n, stream):
+        import ctypes
+
+        assert n > 0 and stream == 0
+        ctypes.memmove(dst, src, n)
+        self.copies += 1
+
+    def new_event(self, blocking=False):
+        self.made += 1
+        return self.made
+
+    def record(self, event, stream):
+        assert 0 < event <= self.made
+
+    def wait(self, event):
+        assert 0 < event <= self.made
+
+    def free_event(self, event):
+        self.freed += 1
+
+
+@pytest.mark.parametrize("threads,chunk,reader,cold,depth,submit", [
+    (1, 4096, "pread", False, 2, "torch"), (3, 5000, "pread", False, 2, "torch"), (4, 1 << 20, "pread", False, 2, "torch"),
+    (3, 8192, "mmap", False, 2, "torch"), (3, 8192, "pread", True, 2, "torch"), (2, 1 << 20, "pread", True, 2, "torch"),
+    (3, 5000, "pread", False, 1, "torch"), (2, 4096, "pread", False, 5, "torch"),
+    (3, 5000, "pread", False, 2, "runtime"), (2, 4096, "pread", False, 3, "runtime"), (3, 8192, "mmap", False, 2, "runtime"),
+    (2, 8192, "pread", True, 2, "runtime")])
+def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold, depth, submit):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
     to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned). Cold:
     page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT. Depth:
-    pinned buffers per thread (ATOM_CONVERT_LOAD_DEPTH); each thread's buffers are distinct ones."""
+    pinned buffers per thread (ATOM_CONVERT_LOAD_DEPTH); each thread's buffers are distinct ones.
+    Submit "runtime": the copies are enqueued as raw addresses (serve/runtime_calls.py), here memmoves."""
     import mmap
     import os
 
@@ -308,6 +341,9 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
             (threading.get_ident(), index)) or torch.empty(size, dtype=torch.uint8))
     handed: list[tuple[int, int]] = []
     monkeypatch.setenv("ATOM_CONVERT_LOAD_DEPTH", str(depth))
+    monkeypatch.setenv("ATOM_CONVERT_LOAD_SUBMIT", submit)
+    host_rt = _HostRuntime()
+    monkeypatch.setattr(transfer.runtime_calls, "calls", lambda: host_rt)
     view = rank_view(d, 1)
     slots = {n: TensorSlot(n, r.dtype, r.shape) for n, r in view.tensors.items()}
     by_file: dict[str, list] = {}
@@ -326,6 +362,10 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
     files = _file_bytes(d, 1)
     for n, s in slots.items():
         assert torch.equal(_bytes(s.tensor), files[n]), n
+    if submit == "runtime":  # every copy went through the runtime calls, every event was given back
+        assert host_rt.copies >= len(slots) and host_rt.made == host_rt.freed == depth * min(threads, host_rt.copies)
+    else:
+        assert host_rt.copies == host_rt.made == 0
 
 
 @pytest.mark.parametrize("to", ["caller", "other"], ids=["signal-to-the-caller", "signal-to-another-thread"])
@@ -554,3 +594,23 @@ def test_a_bad_load_setting_is_named(converted, monkeypatch, var, value):
     reads = [FileRead(d / r.file, read_header(d / r.file), [TensorSlot(name, r.dtype, r.shape)])]
     with pytest.raises(BadInputError, match=f"{var}='{value}': expected a whole number of at least 1"):
         transfer._place_cuda(reads, torch.device("cpu"), threads=None, chunk_bytes=None, reader="pread")
+
+
+@pytest.mark.parametrize("var,value,what", [("ATOM_CONVERT_LOAD_SUBMIT", "cuda", "submit"),
+                                            ("ATOM_CONVERT_LOAD_READER", "read", "reader")])
+def test_a_bad_load_choice_is_named(converted, monkeypatch, var, value, what):
+    """A load choice from the environment that is not one of its values is a BadInputError naming the
+    variable, the value and the choices, before any file is opened or buffer pinned."""
+    from atom_convert.errors import BadInputError
+    from atom_convert.serve import transfer
+    from atom_convert.serve.transfer import FileRead, TensorSlot, read_header
+
+    d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
+    monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
+    monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: pytest.fail("a buffer was asked for"))
+    monkeypatch.setenv(var, value)
+    view = rank_view(d, 0)
+    name, r = next(iter(view.tensors.items()))
+    reads = [FileRead(d / r.file, read_header(d / r.file), [TensorSlot(name, r.dtype, r.shape)])]
+    with pytest.raises(BadInputError, match=rf"load {what} '{value}' is not one of .*\({var}\)"):
+        transfer._place_cuda(reads, torch.device("cpu"), threads=None, chunk_bytes=None)

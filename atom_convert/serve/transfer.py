@@ -11,6 +11,10 @@ How it works (GPU, `place_cuda`):
    finished (an event), reads the chunk into the buffer (the GIL is released during the read), then
    enqueues on its stream one host-to-device copy per destination tensor the chunk overlaps. Reads of
    one chunk overlap the copies of the previous one, and the workers' copies overlap each other.
+   The copies and events are torch's (`Tensor.copy_`), or with ATOM_CONVERT_LOAD_SUBMIT=runtime the
+   runtime library's own calls through ctypes (serve/runtime_calls.py): about three times the rate
+   for 2-8 MB copies, the same for 32 MB ones, and no faster whole on the H100 machine, where the
+   reads set the pace (BENCHMARKS.md, eighteenth round).
    A chunk the page cache holds (mincore, asked once per file) is `preadv`ed from it; any other is
    read with O_DIRECT straight into the pinned buffer, so a cold byte is not also copied through
    the cache (ATOM_CONVERT_LOAD_DIRECT=0: never).
@@ -43,6 +47,7 @@ import torch
 from ..files import safetensors as safetensors_file
 from ..errors import BadInputError, ConvertedCheckError
 from ..inflight import InFlight, join_in_steps
+from . import runtime_calls
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,11 @@ CPU_VIEW_ALIGN = 16
 DEFAULT_CHUNK_BYTES = 32 << 20
 # Pinned buffers per copy thread: a thread reads into one while the copies out of the others run.
 DEFAULT_DEPTH = 2
+# How a copy thread enqueues its chunk's copies and events: "torch" (Tensor.copy_, torch events) or
+# "runtime" (the runtime library's own calls through ctypes, serve/runtime_calls.py; torch's where
+# that library cannot be found).
+SUBMITTERS = ("torch", "runtime")
+DEFAULT_SUBMIT = "torch"
 # The pread reader reads what the page cache lacks with O_DIRECT (ATOM_CONVERT_LOAD_DIRECT=0: never).
 DIRECT_READS = os.environ.get("ATOM_CONVERT_LOAD_DIRECT", "1") != "0"
 # After Ctrl-C, how long the caller waits for the copy threads to finish their chunk in hand
@@ -343,17 +353,73 @@ def _read_chunk(fd: int, dfd: int | None, mv: memoryview, off: int, n: int, path
 
 
 def place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None = None,
-               chunk_bytes: int | None = None, reader: str | None = None) -> str:
+               chunk_bytes: int | None = None, reader: str | None = None, submit: str | None = None) -> str:
     """Returns the reader used."""
     with _run_lock:  # the pinned pool is shared: one GPU load at a time per process
-        return _place_cuda(reads, device, threads=threads, chunk_bytes=chunk_bytes, reader=reader)
+        return _place_cuda(reads, device, threads=threads, chunk_bytes=chunk_bytes, reader=reader, submit=submit)
 
 
 _run_lock = threading.Lock()
 
 
+class _TorchQueue:
+    """A copy thread's stream, its copies enqueued by torch, one event per pinned buffer."""
+
+    def __init__(self, stream: Any, depth: int):
+        self.stream = stream
+        self.events: list[Any] = [None] * depth
+
+    def wait(self, slot: int) -> None:
+        self.events[slot].synchronize()
+
+    def enqueue(self, slot: int, src: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
+        with torch.cuda.stream(self.stream):
+            for dst, at, length in pieces:
+                dst.copy_(src[at:at + length], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.events[slot] = ev
+
+    def finish(self) -> None:
+        """Wait for every copy enqueued."""
+        self.stream.synchronize()
+
+    def release(self) -> None:
+        """Give back what the queue holds (after `finish`, or after an error)."""
+
+
+class _RuntimeQueue(_TorchQueue):
+    """The same through the runtime library's own calls: a ctypes call per copy (no dispatch, no
+    GIL held while it runs) and events made once per thread, recorded again for each chunk."""
+
+    blocking = False  # whether a wait sleeps (blocking-sync events) instead of spinning
+
+    def __init__(self, stream: Any, depth: int, rt: runtime_calls.RuntimeCalls):
+        super().__init__(stream, depth)
+        self.rt = rt
+        self.handle = stream.cuda_stream
+        self.events = [rt.new_event(self.blocking) for _ in range(depth)]
+
+    def wait(self, slot: int) -> None:
+        self.rt.wait(self.events[slot])
+
+    def enqueue(self, slot: int, src: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
+        base, rt, handle = src.data_ptr(), self.rt, self.handle
+        for dst, at, length in pieces:
+            rt.copy_to_device(dst.data_ptr(), base + at, length, handle)
+        rt.record(self.events[slot], handle)
+
+    def release(self) -> None:
+        events, self.events = self.events, []
+        for ev in events:  # the runtime frees an event still pending once its work is done
+            try:
+                self.rt.free_event(ev)
+            except runtime_calls.RuntimeCallError as e:
+                log.debug("load: %s", e)
+
+
 def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | None,
-                chunk_bytes: int | None, reader: str | None = None) -> str:
+                chunk_bytes: int | None, reader: str | None = None, submit: str | None = None) -> str:
     import numpy as np  # here, not at import time: only this GPU path needs it
 
     threads = threads or _env_count("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS)
@@ -362,6 +428,12 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
     if reader not in READERS:
         raise BadInputError(f"load reader {reader!r} is not one of {', '.join(READERS)} (ATOM_CONVERT_LOAD_READER)")
+    submit = submit or os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", DEFAULT_SUBMIT)
+    if submit not in SUBMITTERS:
+        raise BadInputError(f"load submit {submit!r} is not one of {', '.join(SUBMITTERS)} (ATOM_CONVERT_LOAD_SUBMIT)")
+    rt = runtime_calls.calls() if submit == "runtime" else None
+    if submit == "runtime" and rt is None:
+        log.debug("load: no runtime library found in the process; copies are enqueued by torch")
     # Destinations first, so that no allocation waits behind a copy.
     jobs: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, offset, length, pieces
     for fr in reads:
@@ -440,32 +512,35 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     def worker(w: int) -> None:
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
-            pending: list[Any] = [None] * depth  # per buffer slot: (event, registered pointer or None)
+            queue = _TorchQueue(stream, depth) if rt is None else _RuntimeQueue(stream, depth, rt)
+            used = [False] * depth
+            registered: list[int | None] = [None] * depth  # per buffer slot: the registered pointer
             k = 0
-            while not errors and not inflight.stopped:
-                with lock:
-                    idx = next(next_job, None)
-                if idx is None:
-                    break
-                path, off, n, pieces = jobs[idx]
-                slot = k % depth
-                if pending[slot] is not None:
-                    ev, ptr = pending[slot]
-                    ev.synchronize()  # the last copy out of this buffer is done
+            try:
+                while not errors and not inflight.stopped:
+                    with lock:
+                        idx = next(next_job, None)
+                    if idx is None:
+                        break
+                    path, off, n, pieces = jobs[idx]
+                    slot = k % depth
+                    if used[slot]:
+                        queue.wait(slot)  # the last copy out of this buffer is done
+                        if registered[slot] is not None:
+                            cudart.cudaHostUnregister(registered[slot])
+                            registered[slot] = None
+                    src = fill(w, slot, path, off, n)
+                    if reader == "register":
+                        registered[slot] = src.data_ptr()
+                    queue.enqueue(slot, src, pieces)
+                    used[slot] = True
+                    k += 1
+                queue.finish()
+                for ptr in registered:
                     if ptr is not None:
                         cudart.cudaHostUnregister(ptr)
-                src = fill(w, slot, path, off, n)
-                with torch.cuda.stream(stream):
-                    for dst, at, length in pieces:
-                        dst.copy_(src[at:at + length], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                pending[slot] = (ev, src.data_ptr() if reader == "register" else None)
-                k += 1
-            stream.synchronize()
-            for p in pending:
-                if p is not None and p[1] is not None:
-                    cudart.cudaHostUnregister(p[1])
+            finally:
+                queue.release()
 
     def run(w: int) -> None:
         if not inflight.enter():
