@@ -2,17 +2,50 @@
 runtime's post-load weight layout, once, offline.
 
 Public API: `convert`, `open_converted`, `load_into`, `ensure_converted`, `upload`, `AtomConvertError`.
+
+The names are imported on first use (PEP 562), so that `import atom_convert.cli` can set up the
+process (torch's allocator settings) before torch is imported.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__  # noqa: F401
 
-from .engine.convert import convert  # noqa: E402
-from .errors import AtomConvertError, BadInputError  # noqa: E402
-from .serve.load import LoadStats, load_into  # noqa: E402
-from .engine.cache import ensure_converted  # noqa: E402
-from .hub.publish import upload  # noqa: E402
-from .store.reader import ConvertedCheckpoint, open_converted  # noqa: E402
+_WHERE = {
+    "convert": ".engine.convert",
+    "AtomConvertError": ".errors",
+    "BadInputError": ".errors",
+    "LoadStats": ".serve.load",
+    "load_into": ".serve.load",
+    "ensure_converted": ".engine.cache",
+    "upload": ".hub.publish",
+    "ConvertedCheckpoint": ".store.reader",
+    "open_converted": ".store.reader",
+}
 
-__all__ = ["convert", "open_converted", "load_into", "LoadStats", "ensure_converted", "upload", "ConvertedCheckpoint", "AtomConvertError", "BadInputError", "__version__"]
+__all__ = ["convert", "open_converted", "load_into", "LoadStats", "ensure_converted", "upload", "ConvertedCheckpoint",
+           "AtomConvertError", "BadInputError", "__version__"]
+
+if TYPE_CHECKING:
+    from .engine.cache import ensure_converted
+    from .engine.convert import convert
+    from .errors import AtomConvertError, BadInputError
+    from .hub.publish import upload
+    from .serve.load import LoadStats, load_into
+    from .store.reader import ConvertedCheckpoint, open_converted
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'atom_convert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -189,3 +189,15 @@ def test_expert_cpu_writes_the_shuffled_experts_and_removes_its_file(tiny_checkp
     assert "equal to shuffle16 of [gate; up] and of down" in text, text
     assert "whole, check on the shuffled weight" in text, text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_floor_reports_each_way_and_removes_its_files(tmp_path: Path) -> None:
+    """bench/write_floor.py: one record per way and process count, rates and CPU per GB positive,
+    nothing left in --out."""
+    import json
+
+    text = _run("bench/write_floor.py", "--out", str(tmp_path), "--procs", "1,2", "--gb", "0.01", "--rounds", "1")
+    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert [(r["way"], r["procs"]) for r in rows] == [(w, p) for p in (1, 2) for w in ("new", "rewrite", "anon")]
+    assert all(r["gb_per_s"] > 0 and r["cpu_s_per_gb"] >= 0 for r in rows), rows
+    assert list(tmp_path.iterdir()) == []

@@ -518,3 +518,38 @@ def test_quick_exit_maps_codes_as_sys_exit_does(code: Any, status: int, err: str
                        capture_output=True, text=True, timeout=120)
     plain = subprocess.run([sys.executable, "-c", f"import sys; sys.exit({code!r})"], capture_output=True, text=True)
     assert (r.returncode, r.stderr.strip()) == (status, err) == (plain.returncode, plain.stderr.strip())
+
+
+_THP_PROBE = """
+import os, sys
+import atom_convert
+light = "torch" not in sys.modules
+import atom_convert.cli
+import torch
+t = torch.empty(64 << 20, dtype=torch.uint8)
+t.fill_(1)
+huge = 0
+if os.path.exists("/proc/self/smaps_rollup"):
+    huge = int([ln for ln in open("/proc/self/smaps_rollup") if ln.startswith("AnonHugePages")][0].split()[1])
+print(light, os.environ.get("THP_MEM_ALLOC_ENABLE"), huge)
+"""
+
+
+@pytest.mark.parametrize("given", [None, "0"])
+def test_the_command_puts_torchs_large_tensors_on_huge_pages(given: str | None) -> None:
+    """`import atom_convert` does not import torch, so the command line can set THP_MEM_ALLOC_ENABLE=1 before
+    it does (unless the environment says otherwise): torch's 64 MB tensor then lies on huge pages where the
+    kernel gives them on request (THP `madvise`), and on none with THP_MEM_ALLOC_ENABLE=0."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    out = subprocess.run([sys.executable, "-c", _THP_PROBE], env=env, capture_output=True, text=True, check=True)
+    light, value, huge = out.stdout.split()
+    assert light == "True" and value == (given or "1"), out.stdout
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[madvise]" in thp.read_text():
+        assert (int(huge) > 0) == (given is None), out.stdout

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""The machine's floor for writing a conversion's output (issue 29): what the kernel alone costs.
+
+A conversion writes every output byte into pages the output file system has to allocate. This times
+that part alone, with no conversion work around it: `--procs` processes at once, each writing
+`--gb` GB by `pwrite` of one hot 8 MB buffer
+
+- into a new file under --out (fresh pages, as a conversion's output), and
+- into the same file again (pages that exist: the copy alone),
+
+and, for comparison, the first touch of as much fresh anonymous memory (a buffer allocated per
+item). Reports GB/s over all processes and CPU-seconds (user + system) per GB written, taken from
+each process's own rusage, so a whole conversion's CPU per GB can be set against it.
+
+    python bench/write_floor.py [--out /dev/shm] [--procs 1,16] [--gb 1] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BUF = 8 << 20
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _one(args: tuple[str, str, int, object]) -> tuple[float, float, float]:
+    """One process's part: (start, end, CPU-s) of the way named, over n bytes."""
+    way, path, n, barrier = args
+    buf = np.random.default_rng(os.getpid()).integers(0, 256, BUF, dtype=np.uint8)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600) if way != "anon" else -1
+    try:
+        if way == "rewrite":  # the pages first, then the timed rewrite of the same ones
+            for off in range(0, n, BUF):
+                os.pwrite(fd, buf, off)
+        barrier.wait()  # type: ignore[attr-defined]
+        c0, t0 = _cpu(), time.perf_counter()
+        if way == "anon":
+            a = np.empty(n, dtype=np.uint8)
+            a[::4096] = 1  # one byte per page: the first touch, nothing else
+            del a
+        else:
+            for off in range(0, n, BUF):
+                os.pwrite(fd, buf, off)
+        t1, c1 = time.perf_counter(), _cpu()
+        if fd >= 0 and os.fstat(fd).st_size != n:
+            raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {n}")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            os.unlink(path)
+    return t0, t1, c1 - c0
+
+
+def measure(way: str, out: Path, procs: int, nbytes: int) -> dict[str, float]:
+    ctx = mp.get_context("fork")
+    with ctx.Manager() as m:
+        barrier = m.Barrier(procs)
+        with ctx.Pool(procs) as pool:
+            res = pool.map(_one, [(way, str(out / f"write-floor-{os.getpid()}-{i}.bin"), nbytes, barrier)
+                                  for i in range(procs)], chunksize=1)
+    wall = max(r[1] for r in res) - min(r[0] for r in res)
+    total = nbytes * procs
+    return {"gb_per_s": round(total / wall / 1e9, 2), "cpu_s_per_gb": round(sum(r[2] for r in res) / (total / 1e9), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--procs", default="1,16", help="comma-separated process counts")
+    ap.add_argument("--gb", type=float, default=1.0, help="GB each process writes")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    n = max(BUF, int(a.gb * 1e9) // BUF * BUF)
+    rep = []
+    for _ in range(a.rounds):
+        for p in (int(x) for x in a.procs.split(",")):
+            for way in ("new", "rewrite", "anon"):
+                r = {"way": way, "procs": p, **measure(way, a.out, p, n)}
+                print(json.dumps(r), flush=True)
+                rep.append(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
