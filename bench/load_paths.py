@@ -560,8 +560,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cold", default="pread16,direct8x16,direct16x16,direct4x64")
     ap.add_argument("--warm", default="pread16,reg:256:4,reg:256:8,reg:1024:2,reg:64:16,regpop:256:8")
-    ap.add_argument("--first-call", default="", help="list of CHUNK_MB[:MODEL_BUILD_S[:SUBMIT]]: load_into's first "
-                    "and second call in a fresh process each, warm")
+    ap.add_argument("--first-call", default="", help="list of CHUNK_MB[:MODEL_BUILD_S[:SUBMIT[:THREADS[:DEPTH]]]]: "
+                    "load_into's first and second call in a fresh process each, warm")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ceilings", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="warm calls per method")
@@ -578,16 +578,18 @@ def main() -> int:
     torch.empty(1, device=dev)  # a server's CUDA context exists before it loads weights
     files = make_files(a.workdir, a.files, int(a.file_gb * GB))
     if a.child:
-        c, _, prep = a.child.partition(":")
-        prep, _, submit = prep.partition(":")
+        c, prep, submit, threads, depth = (a.child.split(":") + [""] * 4)[:5]
+        threads = threads or "16"
         if submit:
             os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = submit
+        if depth:
+            os.environ["ATOM_CONVERT_LOAD_DEPTH"] = depth
         if prep:  # as the runtime hooks do: the pool pinned while the server builds its model
             from atom_convert.serve.transfer import prepare_pool
-            t = prepare_pool(16, int(c) << 20)
+            t = prepare_pool(int(threads), int(c) << 20)
             time.sleep(float(prep))  # stand-in for the model build (ATOM's takes seconds at full width)
             print("pool pinned before the load:", t is not None and not t.is_alive(), file=sys.stderr)
-        fn = ours(files, dev, 16, chunk=int(c) << 20)
+        fn = ours(files, dev, int(threads), chunk=int(c) << 20)
         total_c = sum(h.file_size - h.data_start for h in headers(files))
         out = []
         for _ in range(2):
@@ -596,7 +598,8 @@ def main() -> int:
             del d
             torch.cuda.empty_cache()
         print(json.dumps({"chunk_mb": int(c), "model_build_s": float(prep or 0), "first": out[0], "second": out[1],
-                          "submit": os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", "torch")}))
+                          "submit": os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", "torch"), "threads": int(threads),
+                          "depth": int(os.environ.get("ATOM_CONVERT_LOAD_DEPTH", "2"))}))
         return 0
     if a.first_call:
         import subprocess
