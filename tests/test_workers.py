@@ -106,6 +106,33 @@ def test_output_identical_for_any_number_of_workers(sources: Callable[..., Path]
                 assert got == ref, f"workers={workers} ({mode}), shard size {shard}: output differs from workers=1"
 
 
+def test_large_uncut_items_go_first_and_change_no_byte(sources: Callable[..., Path], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several workers, the items that cannot be cut and write at least FIRST_ITEM_BYTES are handed
+    out first, largest first (lm_head at tp 1 no longer ends the conversion alone); every item still comes
+    once, the rest keep load order, and the output is the same as with one worker in load order."""
+    src = sources("fp8", 1)
+    plan = make_plan(SourceCheckpoint(src), target="gfx950", tp=1)
+    size = {g.key: sum(o.nbytes for o in g.outputs) for g in plan.main.groups}
+    uncut = sorted(size[g.key] for g in plan.main.groups if not any(o.units for o in g.outputs))
+    assert len(uncut) >= 3, size
+    monkeypatch.setattr(wk, "FIRST_ITEM_BYTES", 1 << 62)  # none qualifies: load order
+    loaded = [(i.group.key, i.part) for i in wk.items(plan.main.groups, 1, workers=2)]
+    monkeypatch.setattr(wk, "FIRST_ITEM_BYTES", uncut[-2])  # the two largest uncut groups qualify
+    order = [(i.group.key, i.part) for i in wk.items(plan.main.groups, 1, workers=2)]
+    assert [(i.group.key, i.part) for i in wk.items(plan.main.groups, 1, workers=1)][0] == loaded[0]  # one worker: as loaded
+    assert sorted(order, key=str) == sorted(loaded, key=str)  # the same items, each once
+    moved = [k for k, _ in order[:2]]
+    assert [size[k] for k in moved] == uncut[:-3:-1] and order[:2] != loaded[:2]
+    assert order[2:] == [x for x in loaded if x[0] not in moved]
+    ref = tmp_path / "w1"
+    atom_convert.convert(src, ref, target="gfx950", tp=1, workers=1)
+    for workers, mode in ((2, "process"), (3, "thread")):
+        dst = tmp_path / f"w{workers}"
+        atom_convert.convert(src, dst, target="gfx950", tp=1, workers=workers, worker_mode=mode)
+        assert digest(dst) == digest(ref), f"workers={workers} ({mode})"
+
+
 @pytest.mark.parametrize("from_map", [True, False], ids=["mapped", "read-back"])
 def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch, from_map: bool) -> None:

@@ -116,6 +116,14 @@ def parts_per_group(workers: int, tp: int, unit_bytes: int = 0) -> int:
     return max(1, by_workers, by_bytes)
 
 
+# An item that cannot be cut (a group without experts) and writes at least this many bytes is handed
+# out first, the largest first. Why: in load order lm_head came last; at tp 1 (1.85 GB at DeepSeek-V3
+# width) it then kept one worker busy alone at the end while the other cores idled (BENCHMARKS.md,
+# eighteenth round). The embedding, a dense layer and lm_head are cut per rank at larger tp, which
+# keeps their items under this size.
+FIRST_ITEM_BYTES = 256 << 20
+
+
 def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = None) -> list[Item]:
     """Every (group, rank), group-major: the order the files are laid out in; a group with
     experts is cut into `parts_per_group` items per rank, by contiguous expert ranges, handed out
@@ -138,6 +146,11 @@ def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = No
             continue
         for k in range(n):
             out.extend(Item(g, r, cost, (k * units // n, (k + 1) * units // n)) for r in range(tp))
+    size = {id(g): sum(o.nbytes for o in g.outputs) for g in groups}
+    first = [i for i in out if i.part is None and size[id(i.group)] >= FIRST_ITEM_BYTES]
+    if workers > 1 and first:
+        first.sort(key=lambda i: -size[id(i.group)])  # stable: equal sizes keep load order
+        out = first + [i for i in out if i.part is not None or size[id(i.group)] < FIRST_ITEM_BYTES]
     return out
 
 
