@@ -119,8 +119,8 @@ def parts_per_group(workers: int, tp: int, unit_bytes: int = 0) -> int:
 # An item that cannot be cut (a group without experts) and writes at least this many bytes is handed
 # out first, the largest first. Why: in load order lm_head came last; at tp 1 (1.85 GB at DeepSeek-V3
 # width) it then kept one worker busy alone at the end while the other cores idled (BENCHMARKS.md,
-# eighteenth round). The embedding, a dense layer and lm_head are cut per rank at larger tp, which
-# keeps their items under this size.
+# eighteenth round). At tp 8 a rank's share of the embedding or lm_head (231 MB at that width) stays
+# under this size, and those items keep their place.
 FIRST_ITEM_BYTES = 256 << 20
 
 
@@ -131,7 +131,8 @@ def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = No
     parallel every rank reads a slice of every expert, so the ranks working at once then read the
     same experts (one range's source pages in the page cache, not the layer's, read in the order
     the readahead brings them), and each rank's shard fills from its start, so its hashing thread
-    follows the conversion instead of hashing most of the layer after the last range.
+    follows the conversion instead of hashing most of the layer after the last range. With several
+    workers, uncut items of FIRST_ITEM_BYTES or more come first, the largest first.
     `parts`: that many ranges per group instead (tests)."""
     out = []
     for g in groups:
