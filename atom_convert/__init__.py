@@ -26,8 +26,7 @@ _WHERE = {
     "open_converted": ".store.reader",
 }
 
-__all__ = ["convert", "open_converted", "load_into", "LoadStats", "ensure_converted", "upload", "ConvertedCheckpoint",
-           "AtomConvertError", "BadInputError", "__version__"]
+__all__ = [*_WHERE, "__version__"]
 
 if TYPE_CHECKING:
     from .engine.cache import ensure_converted

@@ -441,18 +441,14 @@ def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int, sub
             with torch.cuda.device(dev):
                 st = torch.cuda.Stream(dev)
                 q = _TorchQueue(st, depth) if rt is None else _RuntimeQueue(st, depth, rt)
-                used = [False] * depth
                 k = 0
                 while True:
                     with lock:
                         pcs = next(it, None)
                     if pcs is None:
                         break
-                    sl = k % depth
-                    if used[sl]:
-                        q.wait(sl)
-                    q.enqueue(sl, bufs[depth * w + sl], pcs)
-                    used[sl] = True
+                    q.wait(k % depth)
+                    q.enqueue(k % depth, bufs[depth * w + k % depth], pcs)
                     k += 1
                 q.finish()
                 q.release()

@@ -147,11 +147,11 @@ def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = No
             continue
         for k in range(n):
             out.extend(Item(g, r, cost, (k * units // n, (k + 1) * units // n)) for r in range(tp))
-    size = {id(g): sum(o.nbytes for o in g.outputs) for g in groups}
-    first = [i for i in out if i.part is None and size[id(i.group)] >= FIRST_ITEM_BYTES]
-    if workers > 1 and first:
-        first.sort(key=lambda i: -size[id(i.group)])  # stable: equal sizes keep load order
-        out = first + [i for i in out if i.part is not None or size[id(i.group)] < FIRST_ITEM_BYTES]
+    if workers > 1:
+        size = {id(g): sum(o.nbytes for o in g.outputs) for g in groups}
+        first = [i.part is None and size[id(i.group)] >= FIRST_ITEM_BYTES for i in out]
+        out = (sorted((i for i, f in zip(out, first) if f), key=lambda i: -size[id(i.group)])  # stable
+               + [i for i, f in zip(out, first) if not f])
     return out
 
 

@@ -87,7 +87,8 @@ _found: list[RuntimeCalls | None] = []
 def loaded_library(maps: str) -> tuple[str, str] | None:
     """(path, prefix) of the first runtime library named in a /proc/<pid>/maps text, or None."""
     for line in maps.splitlines():
-        path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+        fields = line.split(None, 5)  # address, perms, offset, device, inode, path
+        path = fields[5].strip() if len(fields) == 6 else ""
         for pattern, prefix in LIBRARIES:
             if pattern.search(path):
                 return path, prefix

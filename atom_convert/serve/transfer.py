@@ -370,7 +370,9 @@ class _TorchQueue:
         self.events: list[Any] = [None] * depth
 
     def wait(self, slot: int) -> None:
-        self.events[slot].synchronize()
+        """Until the copies out of buffer `slot` are done (at once if none was enqueued)."""
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
 
     def enqueue(self, slot: int, src: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
         with torch.cuda.stream(self.stream):
@@ -399,15 +401,18 @@ class _RuntimeQueue(_TorchQueue):
         self.rt = rt
         self.handle = stream.cuda_stream
         self.events = [rt.new_event(self.blocking) for _ in range(depth)]
+        self.recorded = [False] * depth
 
     def wait(self, slot: int) -> None:
-        self.rt.wait(self.events[slot])
+        if self.recorded[slot]:
+            self.rt.wait(self.events[slot])
 
     def enqueue(self, slot: int, src: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
         base, rt, handle = src.data_ptr(), self.rt, self.handle
         for dst, at, length in pieces:
             rt.copy_to_device(dst.data_ptr(), base + at, length, handle)
         rt.record(self.events[slot], handle)
+        self.recorded[slot] = True
 
     def release(self) -> None:
         events, self.events = self.events, []
@@ -513,7 +518,6 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
             queue = _TorchQueue(stream, depth) if rt is None else _RuntimeQueue(stream, depth, rt)
-            used = [False] * depth
             registered: list[int | None] = [None] * depth  # per buffer slot: the registered pointer
             k = 0
             try:
@@ -524,16 +528,14 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                         break
                     path, off, n, pieces = jobs[idx]
                     slot = k % depth
-                    if used[slot]:
-                        queue.wait(slot)  # the last copy out of this buffer is done
-                        if registered[slot] is not None:
-                            cudart.cudaHostUnregister(registered[slot])
-                            registered[slot] = None
+                    queue.wait(slot)  # the last copy out of this buffer is done
+                    if registered[slot] is not None:
+                        cudart.cudaHostUnregister(registered[slot])
+                        registered[slot] = None
                     src = fill(w, slot, path, off, n)
                     if reader == "register":
                         registered[slot] = src.data_ptr()
                     queue.enqueue(slot, src, pieces)
-                    used[slot] = True
                     k += 1
                 queue.finish()
                 for ptr in registered:
