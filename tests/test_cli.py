@@ -553,3 +553,16 @@ def test_the_command_puts_torchs_large_tensors_on_huge_pages(given: str | None) 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[madvise]" in thp.read_text():
         assert (int(huge) > 0) == (given is None), out.stdout
+
+
+def test_the_command_line_imports_no_torch_until_a_command_needs_it() -> None:
+    """`atom-convert --help` and `--version` answer without importing torch (0.1 s instead of 1.5 s on the
+    2-core box)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom atom_convert.cli import main\nlight = 'torch' not in sys.modules\n"
+             "try:\n    main(['--help'])\nexcept SystemExit as e:\n    print(light, 'torch' not in sys.modules, e.code)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == "True True 0", r.stdout + r.stderr
+    assert "convert" in r.stdout

@@ -98,7 +98,7 @@ def forkserver() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["atom_convert.cli", "crash_child"])
+        _CTX.set_forkserver_preload(["atom_convert.cli", "atom_convert.engine.convert", "crash_child"])  # torch with it
     return _CTX
 
 

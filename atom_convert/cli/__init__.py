@@ -31,7 +31,7 @@ import click  # noqa: E402
 
 from ..errors import AtomConvertError, BadInputError, Interrupted, VerificationFailedError
 from ..layout.profile import PROFILES
-from ..files.dtypes import TARGETS
+from ..files.targets import TARGETS
 
 
 def _examples(*lines: str) -> str:

@@ -38,7 +38,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
 from ..errors import BadInputError, CheckpointError, json_kind
-from .dtypes import DTYPE_FROM_ST
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -160,6 +159,8 @@ def check_length(head: bytes, size: int, name: str, fix: str = FIX_SOURCE,
 def validate_entries(name: str, header: dict[str, Any], data_size: int) -> list[str]:
     """Every entry against the safetensors format (the module docstring's rules); the problems
     found, each naming the file `name` and the tensor, the expected and the actual value."""
+    from .dtypes import DTYPE_FROM_ST  # here, not at the top: the command line imports this module without torch
+
     problems = []
     meta = header.get("__metadata__")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadInputError, UnsupportedError
-from ..files.dtypes import TARGETS
+from ..files.targets import TARGETS
 from .parallel import Parallel
 from .profile import get_profile
 
