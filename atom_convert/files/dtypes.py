@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .targets import TARGETS
+
 # DeepSeek fp8 checkpoints: `quantization_config.weight_block_size` = [128, 128];
 # ATOM maps it to per_1x128 (spec §1.4) and asserts 128 (spec §3.2).
 FP8_BLOCK = 128
