@@ -566,3 +566,11 @@ def test_the_command_line_imports_no_torch_until_a_command_needs_it() -> None:
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "True True 0", r.stdout + r.stderr
     assert "convert" in r.stdout
+
+
+def test_the_target_names_are_the_fp8_tables_keys() -> None:
+    """files/targets.py (names, no torch) and files/dtypes.py (the fp8 dtype of each) list the same targets."""
+    from atom_convert.files.dtypes import FP8_DTYPE_BY_TARGET
+    from atom_convert.files.targets import TARGETS
+
+    assert tuple(FP8_DTYPE_BY_TARGET) == TARGETS

@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from .targets import TARGETS
-
 # DeepSeek fp8 checkpoints: `quantization_config.weight_block_size` = [128, 128];
 # ATOM maps it to per_1x128 (spec §1.4) and asserts 128 (spec §3.2).
 FP8_BLOCK = 128
 
-# e4m3fn on gfx950, e4m3fnuz on gfx942 (aiter dtypes.fp8, spec §3.0.1).
+# e4m3fn on gfx950, e4m3fnuz on gfx942 (aiter dtypes.fp8, spec §3.0.1); one entry per targets.TARGETS.
 FP8_DTYPE_BY_TARGET: dict[str, torch.dtype] = {
     "gfx950": torch.float8_e4m3fn,
     "gfx942": torch.float8_e4m3fnuz,
 }
-if tuple(FP8_DTYPE_BY_TARGET) != TARGETS:  # pragma: no cover - the two tables are edited together
-    raise ImportError(f"files/dtypes.py: FP8_DTYPE_BY_TARGET {tuple(FP8_DTYPE_BY_TARGET)} != targets.TARGETS {TARGETS}")
 
 # The byte 0x80 is -0 in e4m3fn and NaN in e4m3fnuz; ATOM clears it to 0x00
 # (normalize_e4m3fn_to_e4m3fnuz, spec §3.0.2).
