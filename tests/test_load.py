@@ -374,7 +374,10 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
     waits for the chunk in hand, and only then closes the files (a closed descriptor's number goes to
     the next file opened, so a late read could copy another file's bytes into a parameter). The
     KeyboardInterrupt reaches the caller, no thread outlives the call and no read failed. The kernel
-    may hand the signal to another thread: the caller still notices it within its join steps."""
+    may hand the signal to another thread: the caller still notices it within its join steps.
+    Reads are counted from the moment the caller stops the pool, not from the signal's sending: how
+    soon the caller's handler runs after the signal is up to the scheduler (on a busy machine the
+    other thread copies many chunks meanwhile, as it should)."""
     import os
     import signal
     import threading
@@ -394,12 +397,17 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
     reads = [FileRead(d / f, read_header(d / f), ss) for f, ss in by_file.items()]
 
     real_preadv = os.preadv
-    inside, release, interrupted = threading.Event(), threading.Event(), threading.Event()
+    inside, release, stopped = threading.Event(), threading.Event(), threading.Event()
     failed: list[BaseException] = []
     late: list[int] = []
 
+    class StopSeen(transfer.InFlight):
+        def stop_and_wait(self, timeout: float) -> int:
+            stopped.set()  # before the flag: a read counted late here may be a thread's chunk in hand
+            return super().stop_and_wait(timeout)
+
     def preadv(fd, bufs, off, *flags):
-        if interrupted.is_set():
+        if stopped.is_set():
             late.append(off)
         if not inside.is_set():  # the first read waits inside until Ctrl-C has landed
             inside.set()
@@ -410,14 +418,16 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
             failed.append(e)
             raise
 
+    stopped_in_time: list[bool] = []
+
     def ctrl_c():
         inside.wait(30)
-        interrupted.set()
         signal.pthread_kill(threading.main_thread().ident if to == "caller" else threading.get_ident(), signal.SIGINT)
-        time.sleep(0.3)  # the caller's handling runs while the read is still in progress
+        stopped_in_time.append(stopped.wait(30))  # the caller stops the pool while the read is in progress
         release.set()
 
     monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(transfer, "InFlight", StopSeen)
     helper = threading.Thread(target=ctrl_c)
     helper.start()
     try:
@@ -437,9 +447,10 @@ def test_ctrl_c_during_the_copy_waits_for_the_threads_before_closing_the_files(c
             if t.name.startswith("atom-convert-load-"):
                 t.join(30)
         signal.signal(signal.SIGINT, old_handler)
+    assert stopped_in_time == [True], "the caller did not stop the pool within 30 s of Ctrl-C"
     assert alive == [], f"copy threads still running after the interrupt: {alive}"
     assert failed == [], f"a read failed after the files were closed under it: {failed}"
-    assert len(late) <= 2, f"{len(late)} reads started after Ctrl-C (2 threads: at most their chunk in hand)"
+    assert len(late) <= 2, f"{len(late)} reads started after the pool was stopped (2 threads: at most their chunk in hand)"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
