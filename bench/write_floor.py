@@ -12,13 +12,19 @@ and, for comparison, the first touch of as much fresh anonymous memory (a buffer
 item). Reports GB/s over all processes and CPU-seconds (user + system) per GB written, taken from
 each process's own rusage, so a whole conversion's CPU per GB can be set against it.
 
-    python bench/write_floor.py [--out /dev/shm] [--procs 1,16] [--gb 1] [--rounds 2]
+On a disk (`--ways new-fsync,direct`): a new file written through the page cache and then fsynced
+(the write-back's wait counted), against the same bytes written with O_DIRECT from a page-aligned
+buffer (no page cache pages at all; a file system that refuses O_DIRECT, such as an older tmpfs,
+ends the run with its error).
+
+    python bench/write_floor.py [--out /dev/shm] [--procs 1,16] [--gb 1] [--rounds 2] [--ways new,rewrite,anon]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
 import os
 import resource
@@ -39,8 +45,11 @@ def _cpu() -> float:
 def _one(args: tuple[str, str, int, object]) -> tuple[float, float, float]:
     """One process's part: (start, end, CPU-s) of the way named, over n bytes."""
     way, path, n, barrier = args
-    buf = np.random.default_rng(os.getpid()).integers(0, 256, BUF, dtype=np.uint8)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600) if way != "anon" else -1
+    aligned = mmap.mmap(-1, BUF)  # page-aligned, as O_DIRECT needs
+    buf = np.frombuffer(aligned, dtype=np.uint8)
+    buf[:] = np.random.default_rng(os.getpid()).integers(0, 256, BUF, dtype=np.uint8)
+    flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if way == "direct" else 0)
+    fd = os.open(path, flags, 0o600) if way != "anon" else -1
     try:
         if way == "rewrite":  # the pages first, then the timed rewrite of the same ones
             for off in range(0, n, BUF):
@@ -54,6 +63,8 @@ def _one(args: tuple[str, str, int, object]) -> tuple[float, float, float]:
         else:
             for off in range(0, n, BUF):
                 os.pwrite(fd, buf, off)
+            if way in ("new-fsync", "direct"):
+                os.fsync(fd)
         t1, c1 = time.perf_counter(), _cpu()
         if fd >= 0 and os.fstat(fd).st_size != n:
             raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {n}")
@@ -82,12 +93,17 @@ def main() -> int:
     ap.add_argument("--procs", default="1,16", help="comma-separated process counts")
     ap.add_argument("--gb", type=float, default=1.0, help="GB each process writes")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ways", default="new,rewrite,anon",
+                    help="comma-separated: new, rewrite, anon, new-fsync, direct (module docstring)")
     a = ap.parse_args()
+    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "new-fsync", "direct"}
+    if unknown:
+        ap.error(f"--ways: unknown {', '.join(sorted(unknown))}")
     n = max(BUF, int(a.gb * 1e9) // BUF * BUF)
     rep = []
     for _ in range(a.rounds):
         for p in (int(x) for x in a.procs.split(",")):
-            for way in ("new", "rewrite", "anon"):
+            for way in a.ways.split(","):
                 r = {"way": way, "procs": p, **measure(way, a.out, p, n)}
                 print(json.dumps(r), flush=True)
                 rep.append(r)
