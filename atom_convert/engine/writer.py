@@ -13,7 +13,8 @@ How it works:
 1. A shard file is opened when its first tensor is written: the header goes
    to offset 0 (its layout: shard_header.py), and a hashing thread for that file starts.
 2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
-   which `pwrite`s them at their offsets, takes the leaves of the whole 64 KiB blocks of the
+   which `pwrite`s them at their offsets (the whole 64 KiB blocks of a large buffer with O_DIRECT,
+   the rest through the page cache: DIRECT_MIN_BYTES below), takes the leaves of the whole 64 KiB blocks of the
    file that lie in the buffer (store/digest.py: `blake3_blocks`) while the bytes are still in
    its core's caches, and marks the byte range done with those leaves (a worker process sends
    them to the converting process with the range).
@@ -32,10 +33,14 @@ The files are plain safetensors: `safe_open` reads them.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import hashlib
 import mmap
 import os
 import stat
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +66,65 @@ def _as_bytes(t: torch.Tensor) -> Any:
 def _pwrite(fd: int, data: memoryview, offset: int) -> int:
     """One `os.pwrite` (a module function so that tests can inject disk-full and other faults)."""
     return os.pwrite(fd, data, offset)
+
+
+# Direct writes. A buffer's whole 64 KiB blocks of the file (store/digest.py's blocks) are written
+# around the page cache (O_DIRECT, through a second descriptor of the same file) when they come to
+# at least DIRECT_MIN_BYTES; the rest of the buffer, and so every block that straddles two buffers,
+# goes through the page cache, where the shard's hashing thread reads those blocks back. Writing
+# through the page cache costs the kernel a page allocation and a copy per 4 KB, and the write-back
+# later: on the 2-core box 0.55-1.9 CPU-s per GB with the fsync, at 0.7-1.5 GB/s, where O_DIRECT
+# took 0.02 CPU-s per GB at 1.6-1.8 GB/s (bench/write_floor.py, BENCHMARKS.md, twentieth round).
+# Not on tmpfs (its pages are the file: nothing to save) nor where the file system refuses O_DIRECT.
+DIRECT_MIN_BYTES = 1 << 20  # 0: every byte through the page cache
+_DIRECT_ALIGN = 4096  # memory alignment O_DIRECT needs (a logical block of any disk)
+_BOUNCE_BYTES = 8 << 20  # an aligned copy of a buffer whose memory is not aligned, this much at a time
+_TMPFS_MAGIC = 0x01021994
+_bounce = threading.local()  # per writing thread: its aligned copy buffer
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(fd: int) -> int | None:
+    """The file system's magic number of an open file (fstatfs), None where it cannot be read."""
+    try:
+        libc = _libc()
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+        return struct.unpack_from("l", buf.raw)[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _direct_fd(fd: int) -> int | None:
+    """A second descriptor of the same open file, for O_DIRECT writes; None where direct writes are
+    off, on tmpfs, or refused. Reopened through /proc/self/fd: the same inode, never the name again."""
+    if not DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or _fs_type(fd) in (None, _TMPFS_MAGIC):
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:  # no /proc, or a file system without direct I/O
+        return None
+
+
+def _aligned(mv: memoryview) -> memoryview:
+    """`mv`'s bytes at an address O_DIRECT accepts: `mv` itself, or a copy in this thread's buffer."""
+    if not mv.readonly:  # (a read-only buffer's address is not at hand: it is copied)
+        at = ctypes.c_char.from_buffer(mv)
+        aligned = ctypes.addressof(at) % _DIRECT_ALIGN == 0
+        del at  # releases the buffer
+        if aligned:
+            return mv
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)  # page-aligned
+    out = memoryview(buf)[:len(mv)]
+    out[:] = mv
+    return out
 
 
 class FaultHook:
@@ -140,6 +204,8 @@ class _ShardIO:
         # never through a symlink planted at the name (a leftover of ours is unlinked first, then the
         # file is created exclusively: O_EXCL with O_CREAT does not follow one)
         self.fd = self._io(os.open, self.tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # umask applies
+        self.dfd = _direct_fd(self.fd)  # whole blocks around the page cache (DIRECT_MIN_BYTES)
+        self.direct_bytes = 0  # bytes written through dfd
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
@@ -162,10 +228,45 @@ class _ShardIO:
             self.pwrite_all(mv, offset)
 
     def pwrite_all(self, mv: memoryview, offset: int) -> None:
+        if self.dfd is not None and len(mv) >= DIRECT_MIN_BYTES:
+            block = digest.BLOCK
+            a, b = -offset % block, (offset + len(mv)) // block * block - offset  # the whole blocks: [a, b)
+            if b - a >= DIRECT_MIN_BYTES:
+                self._buffered(mv[:a], offset)
+                done = self._direct(mv[a:b], offset + a)
+                self._buffered(mv[a + done:], offset + a + done)  # the tail, and what a short write left
+                return
+        self._buffered(mv, offset)
+
+    def _buffered(self, mv: memoryview, offset: int) -> None:
         while len(mv):
             n = self._io(_pwrite, self.fd, mv, offset)
             offset += n
             mv = mv[n:]
+
+    def _direct(self, mv: memoryview, offset: int) -> int:
+        """Write whole blocks with O_DIRECT; the bytes written (all, unless a write came back short
+        or the file system refused it: the caller writes the rest through the page cache)."""
+        done, dfd = 0, self.dfd
+        while dfd is not None and done < len(mv):
+            piece = _aligned(mv[done:done + _BOUNCE_BYTES])
+            try:
+                n = self._io(_pwrite, dfd, piece, offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.close_direct()  # an alignment this file system does not take: no more direct writes
+                return done
+            done += n
+            self.direct_bytes += n
+            if n < len(piece):
+                return done
+        return done
+
+    def close_direct(self) -> None:
+        dfd, self.dfd = self.dfd, None
+        if dfd is not None:
+            os.close(dfd)
 
 
 class ShardFile(_ShardIO):
@@ -282,6 +383,7 @@ class ShardFile(_ShardIO):
         with self.cond:
             if not self.closed:
                 self.closed = True
+                self.close_direct()
                 os.close(self.fd)
 
     def discard(self) -> None:
@@ -503,6 +605,7 @@ class _ReportingShard(_ShardIO):
         self._report(self.plan.file, start, n, leaves)
 
     def close_fd(self) -> None:
+        self.close_direct()
         os.close(self.fd)
 
 
