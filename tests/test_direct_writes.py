@@ -72,7 +72,7 @@ def _aligned_bytes(n: int, shift: int) -> memoryview:
 
 
 @pytest.mark.parametrize("offset,n,shift", [
-    (0, 4 * BLOCK, 0),               # whole blocks, aligned memory: all direct, no copy
+    (0, 4 * BLOCK, 0),               # whole blocks from page-aligned memory: all direct
     (12_345, 5 * BLOCK + 77, 0),     # a head and a tail around the blocks
     (BLOCK - 1, 3 * BLOCK + 2, 123), # memory off the page: through the aligned copy
     (7, BLOCK + 100, 0),             # not one whole block inside: all through the page cache
