@@ -201,3 +201,24 @@ def test_write_floor_reports_each_way_and_removes_its_files(tmp_path: Path) -> N
     assert [(r["way"], r["procs"]) for r in rows] == [(w, p) for p in (1, 2) for w in ("new", "rewrite", "anon")]
     assert all(r["gb_per_s"] > 0 and r["cpu_s_per_gb"] >= 0 for r in rows), rows
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_then_load_reads_every_ranks_files_after_each_variant(tiny_checkpoint: Callable[..., Path],
+                                                                       tmp_path: Path) -> None:
+    """bench/convert_then_load.py converts with and without --keep-cached and then reads each rank's
+    files (no GPU here, or --read): the same bytes for both variants, and nothing left behind."""
+    from atom_convert.serve.load import rank_view
+
+    src = tiny_checkpoint(PRESET, "fp8")
+    ref = tmp_path / "ref"
+    atom_convert.convert(src, ref, target="gfx942", tp=2)
+    want = sum((ref / f).stat().st_size for r in range(2) for f in {t.file for t in rank_view(ref, r).tensors.values()})
+    out = tmp_path / "report.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    text = _run("bench/convert_then_load.py", str(src), "--tp", "2", "--target", "gfx942", "--workers", "1",
+                "--pairs", "1", "--read", "--no-drop", "--workdir", str(work), "--out", str(out))
+    rep = json.loads(out.read_text())
+    assert [r["variant"] for r in rep["runs"]] == ["direct", "keep-cached"] and rep["cold"] is False
+    assert all(r["load"]["bytes"] == want and r["convert_s"] > 0 for r in rep["runs"]), (want, rep["runs"])
+    assert "keep-cached" in text and list(work.iterdir()) == []

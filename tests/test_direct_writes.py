@@ -174,3 +174,60 @@ def test_a_conversion_is_the_same_with_and_without_direct_writes(tiny_checkpoint
     assert files
     for rel in files:
         assert (direct_dir / "direct" / rel).read_bytes() == (direct_dir / "buffered" / rel).read_bytes(), rel
+
+
+def _direct_lines(log: Path) -> list[str]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    assert lines, "the writer wrote nothing"
+    return [line for line in lines if line.startswith("1 ")]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("keep_cached,available,direct", [
+    (False, 1 << 40, True),   # the default of convert and the CLI: direct, whatever the memory
+    (True, 1, False),         # asked for: through the page cache, even where it does not fit
+    (None, 1 << 40, False),   # auto, the output fits in half of the available memory: cached
+    (None, 1, True),          # auto, it does not: direct
+])
+def test_keep_cached_decides_the_direct_writes(tiny_checkpoint: Callable[..., Path], direct_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch, mode: str, keep_cached: bool | None,
+                                               available: int, direct: bool) -> None:
+    from atom_convert.engine import workers as workers_mod
+
+    src = tiny_checkpoint("tiny-deepseek-v3", "fp8")
+    log = direct_dir / "writes.log"
+    _calls(monkeypatch, log)
+    monkeypatch.setattr(writer_mod, "DIRECT_MIN_BYTES", BLOCK)
+    monkeypatch.setattr(workers_mod, "available_memory", lambda: available)
+    atom_convert.convert(src, direct_dir / "out", target="gfx942", tp=2, workers=2, worker_mode=mode,
+                         max_memory="1GB", keep_cached=keep_cached)
+    assert bool(_direct_lines(log)) == direct
+
+
+def test_ensure_converted_keeps_what_fits_cached_and_the_cli_asks_for_it(tiny_checkpoint: Callable[..., Path],
+                                                                         direct_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving start loads right after `ensure_converted`: its output stays in the page cache when
+    it fits. The command line writes direct unless `--keep-cached` is given."""
+    from click.testing import CliRunner
+
+    from atom_convert.cli import cli
+
+    src = tiny_checkpoint("tiny-deepseek-v3", "fp8")
+    log = direct_dir / "writes.log"
+    _calls(monkeypatch, log)
+    monkeypatch.setattr(writer_mod, "DIRECT_MIN_BYTES", BLOCK)
+    atom_convert.ensure_converted(src, direct_dir / "cache", target="gfx942", tp=2, workers=1)
+    assert not _direct_lines(log)
+    for flags, direct in (([], True), (["--keep-cached"], False)):
+        log.unlink()
+        r = CliRunner().invoke(cli, ["convert", str(src), str(direct_dir / f"cli{len(flags)}"), "--target", "gfx942",
+                                     "--tp", "2", "--workers", "1", *flags])
+        assert r.exit_code == 0, r.output
+        assert bool(_direct_lines(log)) == direct
+
+
+def test_keep_cached_takes_only_a_choice(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    with pytest.raises(atom_convert.BadInputError, match="keep_cached must be True, False or None, got 'yes'"):
+        atom_convert.convert(tiny_checkpoint("tiny-deepseek-v3", "fp8"), tmp_path / "out", keep_cached="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()

@@ -217,7 +217,7 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
                      options: ConversionOptions | None = None, fetch: Fetch | None = None,
                      timeout: float | None = None, progress: bool = False, hub_cache: str | None = None,
                      workers: int | None = None, worker_mode: str = "auto",
-                     max_memory: int | str | None = None) -> Path:
+                     max_memory: int | str | None = None, keep_cached: bool | None = None) -> Path:
     """The converted directory for `src` and these options inside `cache_dir`, converting only when it
     is missing or stale. Safe to call from every rank of a server at once: one converts, the others
     wait and return the same path.
@@ -241,6 +241,9 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         workers, worker_mode, max_memory: as for `convert`; None (the default here): every usable
             core, half of the available memory (a serving start waits for this conversion, so it uses
             the host). The worker processes are forked from the caller and touch no GPU.
+        keep_cached: as for `convert`; None (the default here): the output stays in the page cache
+            when it fits in half of the available memory, so the load that follows reads memory, not
+            the disk.
 
     Example:
         >>> dst = atom_convert.ensure_converted("DeepSeek-V3", "/cache/atom", target="gfx950", tp=8)
@@ -282,7 +285,8 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
         _clear_unreplaceable(dst)
         if not (fetch is not None and fetch(dst, want) and _complete(dst)):
             run: dict[str, Any] = dict(options=opts, force=True, progress=progress, workers=workers,
-                                       worker_mode=worker_mode, max_memory=max_memory, notify=log.info)
+                                       worker_mode=worker_mode, max_memory=max_memory, keep_cached=keep_cached,
+                                       notify=log.info)
             try:  # a dead converter's sealed shards are resumed (cache docstring, step 3)
                 convert(src, dst, resume="auto", **run)
             except NotResumableError as e:

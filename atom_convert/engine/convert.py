@@ -154,7 +154,7 @@ class _SetWork:
 
 
 def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], root: Path, src: SourceCheckpoint,
-                      kept: dict[str, Sealed], stop: Any, fault: FaultHook | None) -> procs.WorkerProcesses:
+                      kept: dict[str, Sealed], stop: Any, fault: FaultHook | None, direct: bool) -> procs.WorkerProcesses:
     """Fork the conversion's worker processes (procs.py); a task is (set key, item number)."""
     keep = max(s.largest for s in sets.values())
 
@@ -167,7 +167,8 @@ def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], r
         job, writers, send = sets[key], state["writers"], state["send"]
         if key not in writers:
             writers[key] = ProcessShardWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), kept, stop,
-                                              fault, report=lambda f, a, n, lv: send(("w", f, a, n, lv)))
+                                              fault, report=lambda f, a, n, lv: send(("w", f, a, n, lv)),
+                                              direct=direct)
         _convert_item(job.work[i], plan, writers[key], state["io"], state["pool"])
         return src.values.take()  # --allow-nonfinite records, merged by the parent
 
@@ -183,13 +184,13 @@ def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], r
 
 def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progress: Callable[[int], None],
                src: SourceCheckpoint, staging: Staging, kept: dict[str, Sealed], fault: FaultHook | None,
-               workers: int, max_memory: int, stop: Any,
-               pool: procs.WorkerProcesses | None) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
+               workers: int, max_memory: int, stop: Any, pool: procs.WorkerProcesses | None,
+               direct: bool) -> tuple[list[WrittenFile], dict[tuple[int, str], str]]:
     """Convert one set on `pool`'s processes, or on `workers` threads when there is no pool."""
     tp = plan.tp
     assert staging.journal is not None
     writer = ShardSetWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), staging.journal, kept,
-                            on_bytes=progress, stop=stop, fault=fault)
+                            on_bytes=progress, stop=stop, fault=fault, direct=direct)
     progress(writer.kept_bytes)
     work = job.work
     index = {id(item): i for i, item in enumerate(work)}
@@ -286,7 +287,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             quantize: str | None = None, options: ConversionOptions | None = None, force: bool = False, progress: bool = False,
             resume: str = "auto", wait: bool = False, notify: Callable[[str], None] | None = None,
             workers: int | None = 1, worker_mode: str = "auto", max_memory: int | str | None = None,
-            allow_nonfinite: bool = False, revision: str | None = None, hub_cache: str | None = None) -> dict[str, Any]:
+            keep_cached: bool | None = False, allow_nonfinite: bool = False, revision: str | None = None,
+            hub_cache: str | None = None) -> dict[str, Any]:
     """Convert a Hugging Face DeepSeek/Kimi checkpoint into ATOM's post-load layout.
 
     Args:
@@ -323,6 +325,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             the platform can fork (procs.py), else threads; "process" or "thread" to choose.
         max_memory: byte budget for the workers' working sets (bytes or text like "16GB"); None:
             half of the memory available. Workers wait rather than exceed it.
+        keep_cached: leave the output in the page cache, for a load that follows on this host:
+            False (default) writes the large buffers' whole blocks around it (O_DIRECT: less kernel
+            work, the page cache left to others; a load right after reads the disk); True writes
+            every byte through it; None: True when the output fits in half of the available memory
+            (`ensure_converted`'s default: the server's load comes next). The bytes are the same.
         allow_nonfinite: convert even when source values are NaN/Inf, fp8 NaN codes, scales <= 0
             or e8m0 NaN (an error by default); each such tensor is recorded in the manifest's
             `value_checks.warnings`.
@@ -357,6 +364,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                             "--worker-mode thread (worker_mode='thread')")
     if worker_mode == "auto":
         worker_mode = "process" if procs.available() else "thread"
+    if keep_cached not in (True, False, None):
+        raise BadInputError(f"keep_cached must be True, False or None, got {keep_cached!r}")
     budget = workers_mod.default_max_memory() if max_memory is None else parse_size(max_memory)
     from ..hub.pull import conversion_record, pull_converted
     from ..hub.repo import open_source
@@ -391,7 +400,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                         return {**pulled, "pulled_from": hub_cache}
                 with _one_intra_op_thread():
                     return _run(plan, main, mtp_layout, source, staging, header, planned, resume, progress, t0,
-                                workers, worker_mode, budget, record)
+                                workers, worker_mode, budget, record, keep_cached)
         except BaseException:
             if not os.path.lexists(paths.staging):
                 remove_created(created)
@@ -407,7 +416,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 
 def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, source: SourceCheckpoint,
          staging: Staging, header: dict[str, Any], planned: dict[str, str], resume: str, progress: bool,
-         t0: float, workers: int, worker_mode: str, budget: int, record: dict[str, Any]) -> dict[str, Any]:
+         t0: float, workers: int, worker_mode: str, budget: int, record: dict[str, Any],
+         keep_cached: bool | None) -> dict[str, Any]:
     """Steps 4-6 of the module docstring, under the lock; the failure policy is here."""
     fault = FaultHook.for_run()
     try:
@@ -419,6 +429,7 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
     tmp = staging.root
     total = sum(s.nbytes for ls in ([main] + ([mtp_layout] if mtp_layout else [])) for r in ls.shards + [ls.common]
                 for s in r)
+    direct = not (total <= workers_mod.available_memory() // 2 if keep_cached is None else keep_cached)
     sets = {"main": _SetWork(main, "", workers_mod.items(main.plan.groups, plan.tp, workers))}
     if mtp_layout is not None:
         sets["mtp"] = _SetWork(mtp_layout, MTP_DIR, workers_mod.items(mtp_layout.plan.groups, plan.tp, workers))
@@ -439,7 +450,7 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
             stop = procs.SharedFlag()
             try:
                 pool = _worker_processes(min(workers, max(len(j.work) for j in sets.values())), plan, sets, tmp,
-                                         source, kept, stop, fault)
+                                         source, kept, stop, fault, direct)
             except procs.StartFailed as e:
                 log.warning("%s (a thread of this process held a lock across the fork); converting on %d threads "
                             "instead", e, workers)
@@ -449,12 +460,12 @@ def _run(plan: ConversionPlan, main: SetLayout, mtp_layout: SetLayout | None, so
         # The main set first: it reads the shards in file order, so a source still downloading
         # is converted as it arrives; the MTP layer lives in the last shards.
         files, where = _write_set("main", sets["main"], tmp, plan, bar.update, source, staging, kept, fault, workers,
-                                  budget, stop, pool)
+                                  budget, stop, pool, direct)
         copied = _copy_side_files(source.path, tmp, plan.requant)
         mtp_manifest = None
         if mtp_layout is not None:
             mfiles, mwhere = _write_set("mtp", sets["mtp"], tmp, plan, bar.update, source, staging, kept, fault,
-                                        workers, budget, stop, pool)
+                                        workers, budget, stop, pool, direct)
             mcopied = _copy_side_files(source.path, tmp / MTP_DIR, plan.requant)
             mtp_manifest = build_manifest(plan, mtp_layout.plan, source, mfiles, mwhere, mcopied, role="mtp")
             write_manifest(tmp / MTP_DIR / MANIFEST_NAME, mtp_manifest)

@@ -193,7 +193,7 @@ class _ShardIO:
     """A shard's `.partial` file open for positional writes (`pwrite`), with the test fault hook."""
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
-                 flags: int):
+                 flags: int, direct: bool = True):
         self.rel = rel
         self.plan = plan
         self.final = root / rel
@@ -204,7 +204,8 @@ class _ShardIO:
         # never through a symlink planted at the name (a leftover of ours is unlinked first, then the
         # file is created exclusively: O_EXCL with O_CREAT does not follow one)
         self.fd = self._io(os.open, self.tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # umask applies
-        self.dfd = _direct_fd(self.fd)  # whole blocks around the page cache (DIRECT_MIN_BYTES)
+        # whole blocks around the page cache (DIRECT_MIN_BYTES), unless the writer keeps the output cached
+        self.dfd = _direct_fd(self.fd) if direct else None
         self.direct_bytes = 0  # bytes written through dfd
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -281,9 +282,9 @@ class ShardFile(_ShardIO):
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, header: bytes, offsets: dict[str, int], size: int,
                  journal: Journal, fault: FaultHook | None = None, *, hash_from_map: bool = True,
-                 hash_read: int = HASH_READ_BYTES):
+                 hash_read: int = HASH_READ_BYTES, direct: bool = True):
         _unlink_own_leftover(root / rel, PARTIAL_SUFFIX)
-        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        super().__init__(root, rel, plan, offsets, fault, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct)
         self.hash_from_map = hash_from_map  # ShardSetWriter's docstring
         self.hash_read = hash_read
         self.header = header
@@ -405,16 +406,19 @@ class ShardSetWriter:
     `fault`: a test's fault hook (FaultHook), None in production. How the hashing threads read
     the written bytes (the same digest either way; benches compare them): `hash_from_map`
     through a read-only mapping of the file (the default), else read back with preadv;
-    `hash_read` bytes at a time.
+    `hash_read` bytes at a time. `direct`: large buffers' whole blocks go around the page cache
+    (DIRECT_MIN_BYTES); False leaves every written byte in the page cache, for a load that follows.
     """
 
     def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
                  journal: Journal, kept: dict[str, Sealed] | None = None,
                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
-                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES):
+                 fault: FaultHook | None = None, *, hash_from_map: bool = True, hash_read: int = HASH_READ_BYTES,
+                 direct: bool = True):
         if hash_read <= 0:
             raise ValueError(f"hash_read must be positive, got {hash_read}")
         self.hash_from_map, self.hash_read = hash_from_map, hash_read
+        self.direct = direct
         self.root = root
         self.prefix = f"{subdir}/" if subdir else ""
         self.dir = root / subdir if subdir else root
@@ -467,7 +471,8 @@ class ShardSetWriter:
             if sh is None:
                 header, offsets, size = shard_layout(plan, self.by_name)
                 sh = ShardFile(self.root, self.prefix + plan.file, plan, header, offsets, size, self.journal,
-                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read)
+                               self.fault, hash_from_map=self.hash_from_map, hash_read=self.hash_read,
+                               direct=self.direct)
                 self._open[plan.file] = sh
                 t = threading.Thread(target=sh.hash_and_seal, name=f"atom-convert-hash-{plan.file}", daemon=True)
                 t.start()
@@ -597,8 +602,8 @@ class _ReportingShard(_ShardIO):
     created the file), and each buffer written is reported, with the leaves of its whole blocks."""
 
     def __init__(self, root: Path, rel: str, plan: ShardPlan, offsets: dict[str, int], fault: FaultHook | None,
-                 report: Callable[[str, int, int, tuple[int, bytes] | None], None]):
-        super().__init__(root, rel, plan, offsets, fault, os.O_WRONLY)
+                 report: Callable[[str, int, int, tuple[int, bytes] | None], None], direct: bool = True):
+        super().__init__(root, rel, plan, offsets, fault, os.O_WRONLY, direct)
         self._report = report
 
     def done(self, start: int, n: int, leaves: tuple[int, bytes] | None = None) -> None:
@@ -617,8 +622,9 @@ class ProcessShardWriter(ShardSetWriter):
 
     def __init__(self, root: Path, subdir: str, shards: list[list[ShardPlan]], outputs: list[OutTensor],
                  kept: dict[str, Sealed] | None, stop: Any, fault: FaultHook | None,
-                 report: Callable[[str, int, int, tuple[int, bytes] | None], None]):
-        super().__init__(root, subdir, shards, outputs, None, kept, stop=stop, fault=fault)  # type: ignore[arg-type]
+                 report: Callable[[str, int, int, tuple[int, bytes] | None], None], direct: bool = True):
+        super().__init__(root, subdir, shards, outputs, None, kept, stop=stop, fault=fault,  # type: ignore[arg-type]
+                         direct=direct)
         self._report = report
 
     def _shard(self, plan: ShardPlan) -> Any:
@@ -626,7 +632,8 @@ class ProcessShardWriter(ShardSetWriter):
             sh = self._open.get(plan.file)
             if sh is None:
                 _, offsets, _ = shard_layout(plan, self.by_name)
-                sh = _ReportingShard(self.root, self.prefix + plan.file, plan, offsets, self.fault, self._report)
+                sh = _ReportingShard(self.root, self.prefix + plan.file, plan, offsets, self.fault, self._report,
+                                     self.direct)
                 self._open[plan.file] = sh  # type: ignore[assignment]
         return sh
 
