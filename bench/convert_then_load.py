@@ -8,7 +8,7 @@ a rank. A rank's child starts before the clock does (Python, torch, CUDA, the mo
 pinned pool: what a server does while it builds its model), says it is ready, and loads when told
 to: `load_into` onto cuda:<rank % GPUs>, or where there is no GPU (or with --read), the rank's files
 read whole, the bytes its load would read. The load's time is from "go" to the last rank's end.
-A cold copy of the source (cat, then sync) gives the scale. Variants alternate, pairs in one run.
+A cold copy of the source (bench_convert.py's: each file copied and fsynced) gives the scale. Variants alternate, pairs in one run.
 
 Usage: python bench/convert_then_load.py SRC [--tp 8] [--target gfx950] [--workers N] [--pairs 3]
        [--read] [--no-drop] [--out report.json]
@@ -29,6 +29,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench_convert import child_copy, drop_caches  # noqa: E402
+
 VARIANTS = {"direct": [], "keep-cached": ["--keep-cached"]}
 
 CHILD = r"""
@@ -64,17 +70,8 @@ print(json.dumps({"rank": rank, "s": time.perf_counter() - t0, "bytes": n}), flu
 """
 
 
-def drop_caches(drop: bool) -> None:
-    """sync, then empty the page cache (root only: otherwise an error, since "cold" would be untrue)."""
-    os.sync()
-    if drop:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-
-
 def rank_files(dst: Path, rank: int) -> list[str]:
     """The files rank `rank` reads (the manifest's own list, through the loader's view)."""
-    sys.path.insert(0, str(REPO))
     from atom_convert.serve.load import rank_view
 
     return sorted({ref.file for ref in rank_view(dst, rank).tensors.values()})
@@ -124,19 +121,24 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     src_bytes = sum(p.stat().st_size for p in args.src.glob("*.safetensors"))
     copies = []
+
+    def cold() -> None:
+        """Every timed step starts with the page cache dropped (unless --no-drop); refused, the run stops."""
+        if args.no_drop:
+            os.sync()
+        elif not drop_caches()[0]:
+            raise SystemExit("cannot drop the page cache (needs root); --no-drop runs warm")
+
     for i in range(args.pairs):
         shutil.rmtree(copy, ignore_errors=True)
-        copy.mkdir(parents=True)
-        drop_caches(not args.no_drop)
+        cold()
         t0 = time.perf_counter()
-        for p in sorted(args.src.glob("*.safetensors")):
-            subprocess.run(f"cat '{p}' > '{copy / p.name}'", shell=True, check=True)
-        os.sync()
+        child_copy(args.src, copy)
         copies.append(time.perf_counter() - t0)
         shutil.rmtree(copy)
         for name, flags in VARIANTS.items():
             shutil.rmtree(dst, ignore_errors=True)
-            drop_caches(not args.no_drop)
+            cold()
             t0 = time.perf_counter()
             subprocess.run(cli + flags, check=True, stdout=subprocess.DEVNULL, cwd=REPO,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
