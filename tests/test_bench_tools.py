@@ -166,7 +166,8 @@ def test_bench_k25_source_names_bytes_and_conversions(tmp_path: Path) -> None:
 
 def test_convert_stages_switches_off_what_it_names(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     """bench/convert_stages.py runs every stage and a --variant, each in its own process: the full run and
-    the variant hash their shards, the no-hash run does not; every output is removed afterwards."""
+    the variant hash their shards, the no-hash run does not; every output, and the recycled stage's scratch
+    file, is removed afterwards."""
     src = tiny_checkpoint(PRESET, "fp8")
     out = tmp_path / "stages.json"
     text = _run("bench/convert_stages.py", str(src), "--tp", "2", "--workers", "2", "--runs", "1",
@@ -174,11 +175,12 @@ def test_convert_stages_switches_off_what_it_names(tiny_checkpoint: Callable[...
                 "--json", str(out))
     rec = json.loads(out.read_text())
     by = {r["stage"]: r for r in rec["runs"]}
-    assert set(by) == {"full", "hash-pread", "no-hash", "no-checks", "no-write", "no-gc", "nice0"}, text
+    assert set(by) == {"full", "hash-pread", "no-hash", "no-checks", "no-write", "no-gc", "recycled", "nice0"}, text
     assert all(r["files"] >= 2 for r in rec["runs"])
     assert by["no-hash"]["digests_void"] and not by["full"]["digests_void"] and not by["nice0"]["digests_void"]
     assert not by["hash-pread"]["digests_void"] and not by["no-gc"]["digests_void"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stages.json"]  # the outputs are gone
+    assert not by["recycled"]["digests_void"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stages.json"]  # the outputs and the scratch file are gone
 
 
 def test_expert_cpu_writes_the_shuffled_experts_and_removes_its_file(tiny_checkpoint: Callable[..., Path],
