@@ -111,7 +111,7 @@ def recycle(folder: Path, nbytes: int, threads: int) -> None:
 
     path = folder / f".convert-stages-recycle-{os.getpid()}"
     step = 8 << 20
-    buf = b"\x5a" * step
+    buf = memoryview(b"\x5a" * step)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         def fill(k: int) -> None:
