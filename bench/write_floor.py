@@ -7,6 +7,9 @@ that part alone, with no conversion work around it: `--procs` processes at once,
 
 - into a new file under --out (fresh pages, as a conversion's output), and
 - into the same file again (pages that exist: the copy alone),
+- `shared`: into one new file for all the processes, each writing every P-th 8 MB piece of it, as the
+  conversion's workers write into a rank's shard side by side (a file system that writes one call at a
+  time per file, as tmpfs and ext4 do under the file's lock, then shows it),
 
 and, for comparison, the first touch of as much fresh anonymous memory (a buffer allocated per
 item). Reports GB/s over all processes and CPU-seconds (user + system) per GB written, taken from
@@ -42,13 +45,14 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _one(args: tuple[str, str, int, object]) -> tuple[float, float, float]:
-    """One process's part: (start, end, CPU-s) of the way named, over n bytes."""
-    way, path, n, barrier = args
+def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, float]:
+    """One process's part (process i of p): (start, end, CPU-s) of the way named, over n bytes."""
+    way, path, n, barrier, i, p = args
     aligned = mmap.mmap(-1, BUF)  # page-aligned, as O_DIRECT needs
     buf = np.frombuffer(aligned, dtype=np.uint8)
     buf[:] = np.random.default_rng(os.getpid()).integers(0, 256, BUF, dtype=np.uint8)
-    flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if way == "direct" else 0)
+    flags = (os.O_CREAT | os.O_RDWR | (os.O_DIRECT if way == "direct" else 0)
+             | (os.O_TRUNC if way != "shared" else 0))
     fd = os.open(path, flags, 0o600) if way != "anon" else -1
     try:
         if way == "rewrite":  # the pages first, then the timed rewrite of the same ones
@@ -60,18 +64,25 @@ def _one(args: tuple[str, str, int, object]) -> tuple[float, float, float]:
             a = np.empty(n, dtype=np.uint8)
             a[::4096] = 1  # one byte per page: the first touch, nothing else
             del a
+        elif way == "shared":
+            for k in range(n // BUF):
+                os.pwrite(fd, buf, (k * p + i) * BUF)
         else:
             for off in range(0, n, BUF):
                 os.pwrite(fd, buf, off)
             if way in ("new-fsync", "direct"):
                 os.fsync(fd)
         t1, c1 = time.perf_counter(), _cpu()
-        if fd >= 0 and os.fstat(fd).st_size != n:
-            raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {n}")
+        if way == "shared":
+            barrier.wait()  # type: ignore[attr-defined]  (all written: the file is whole)
+        want = n * p if way == "shared" else n
+        if fd >= 0 and os.fstat(fd).st_size != want:
+            raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {want}")
     finally:
         if fd >= 0:
             os.close(fd)
-            os.unlink(path)
+            if way != "shared" or i == 0:
+                os.unlink(path)
     return t0, t1, c1 - c0
 
 
@@ -80,8 +91,8 @@ def measure(way: str, out: Path, procs: int, nbytes: int) -> dict[str, float]:
     with ctx.Manager() as m:
         barrier = m.Barrier(procs)
         with ctx.Pool(procs) as pool:
-            res = pool.map(_one, [(way, str(out / f"write-floor-{os.getpid()}-{i}.bin"), nbytes, barrier)
-                                  for i in range(procs)], chunksize=1)
+            res = pool.map(_one, [(way, str(out / f"write-floor-{os.getpid()}-{0 if way == 'shared' else i}.bin"),
+                                   nbytes, barrier, i, procs) for i in range(procs)], chunksize=1)
     wall = max(r[1] for r in res) - min(r[0] for r in res)
     total = nbytes * procs
     return {"gb_per_s": round(total / wall / 1e9, 2), "cpu_s_per_gb": round(sum(r[2] for r in res) / (total / 1e9), 3)}
@@ -94,9 +105,9 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="GB each process writes")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ways", default="new,rewrite,anon",
-                    help="comma-separated: new, rewrite, anon, new-fsync, direct (module docstring)")
+                    help="comma-separated: new, rewrite, anon, shared, new-fsync, direct (module docstring)")
     a = ap.parse_args()
-    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "new-fsync", "direct"}
+    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "new-fsync", "direct"}
     if unknown:
         ap.error(f"--ways: unknown {', '.join(sorted(unknown))}")
     n = max(BUF, int(a.gb * 1e9) // BUF * BUF)

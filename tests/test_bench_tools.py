@@ -198,9 +198,11 @@ def test_write_floor_reports_each_way_and_removes_its_files(tmp_path: Path) -> N
     nothing left in --out."""
     import json
 
-    text = _run("bench/write_floor.py", "--out", str(tmp_path), "--procs", "1,2", "--gb", "0.01", "--rounds", "1")
+    ways = ("new", "rewrite", "anon", "shared")
+    text = _run("bench/write_floor.py", "--out", str(tmp_path), "--procs", "1,2", "--gb", "0.01", "--rounds", "1",
+                "--ways", ",".join(ways))
     rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    assert [(r["way"], r["procs"]) for r in rows] == [(w, p) for p in (1, 2) for w in ("new", "rewrite", "anon")]
+    assert [(r["way"], r["procs"]) for r in rows] == [(w, p) for p in (1, 2) for w in ways]
     assert all(r["gb_per_s"] > 0 and r["cpu_s_per_gb"] >= 0 for r in rows), rows
     assert list(tmp_path.iterdir()) == []
 
