@@ -38,6 +38,37 @@ def test_verify_passes_tp2(converted, tiny_checkpoint, preset, fmt, target):
     assert r.ok, r.failures
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_passes_with_norms_stored_wider_than_bf16(tiny_checkpoint, tmp_path, fmt, dtype):
+    """A source whose RMSNorm weights are stored in fp32 or fp16 (as some fine-tunes save them): the
+    conversion holds them in bf16, as the runtime's bf16 parameters do after their copy_ (round to
+    nearest even), and verify's reference rounds them the same way, so the forward comparison passes.
+    (With the reference on the unrounded values, layer 0 and the logits were off by rel_l2 0.002-0.004.)"""
+    import atom_convert
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("tiny-deepseek-v3", fmt), src)
+    gen = torch.Generator().manual_seed(11)
+    wide: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for k in tensors:
+            if k.endswith("norm.weight"):  # values that bf16 cannot hold
+                tensors[k] = wide[k] = (tensors[k].float() + 1e-3 * torch.randn(tensors[k].shape, generator=gen)).to(dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    assert any(not torch.equal(t.to(torch.bfloat16).to(dtype), t) for t in wide.values())
+    dst = tmp_path / "conv"
+    atom_convert.convert(src, dst, target="gfx950")
+    m = json.loads((dst / MANIFEST_NAME).read_text())
+    for k, t in wide.items():
+        if k in m["tensors"]:
+            got = load_file(str(dst / m["tensors"][k]["file"]))[k]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, t.to(torch.bfloat16)), k
+    r = verify(dst, src, tokens=8)
+    assert r.ok, r.failures
+
+
 # -- corruptions ---------------------------------------------------------------------------------
 
 

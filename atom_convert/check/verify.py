@@ -109,10 +109,10 @@ class SourceLayers:
     source, so that the reference needs one layer's memory, whatever the model's size.
 
     Weights come dequantised in fp32 (fp8 blocks and Quark MXFP4 decoded by `decode.source_value`,
-    which the tests hold bit-exact against compressed-tensors and Quark); the router weight and
-    bias are rounded to bf16 as the runtime holds them (spec §2.4, §8.9). transformers keeps each
-    layer's routed experts fused in memory ([E, 2I, H] gate then up, [E, H, I]); the per-expert
-    source tensors are stacked that way here.
+    which the tests hold bit-exact against compressed-tensors and Quark); unquantized tensors stored
+    in fp32 or fp16 (the router bias, say) are rounded to bf16 as the runtime holds them (`value`).
+    transformers keeps each layer's routed experts fused in memory ([E, 2I, H] gate then up,
+    [E, H, I]); the per-expert source tensors are stacked that way here.
     """
 
     def __init__(self, src: SourceCheckpoint, spec: ModelSpec, device: str):
@@ -138,9 +138,16 @@ class SourceLayers:
         self.src, self.spec, self.device = src, spec, device
 
     def value(self, name: str) -> torch.Tensor:
-        """A text-model tensor by its causal-LM name (the checkpoint's text prefix added: Kimi-K2.5)."""
-        t = source_value(self.src, self.spec.text_prefix + name)
-        if name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+        """A text-model tensor by its causal-LM name (the checkpoint's text prefix added: Kimi-K2.5).
+
+        A tensor stored unquantized in fp32 or fp16 (DeepSeek-V3's router bias; norms that some
+        fine-tunes save in fp32) is rounded to bf16: the conversion holds every such
+        tensor the decoder layers read (norms, router, embedding, lm_head, unquantized weights) in bf16,
+        as the runtime's bf16 parameters do after their copy_ (spec §2.1, §2.4, §2.5)."""
+        full = self.spec.text_prefix + name
+        t = source_value(self.src, full)
+        stored = self.src.info(full).dtype if full in self.src else None
+        if stored in (torch.float16, torch.float32, torch.float64) or name.endswith("mlp.gate.weight"):
             t = t.to(torch.bfloat16).float()
         return t.to(self.device)
 
