@@ -69,6 +69,28 @@ def test_verify_passes_with_norms_stored_wider_than_bf16(tiny_checkpoint, tmp_pa
     assert r.ok, r.failures
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_verify_passes_with_a_bf16_model_stored_wider(tiny_checkpoint, tmp_path, dtype):
+    """An unquantized checkpoint saved whole in fp32 or fp16: every tensor converts to bf16 (the experts
+    stacked and shuffled from the rounded values), and verify's per-tensor check rounds the source the
+    same way for every tensor, the stacked experts included (they were compared unrounded before)."""
+    import atom_convert
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("tiny-deepseek-v3", "bf16"), src)
+    gen = torch.Generator().manual_seed(12)
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for k, t in tensors.items():
+            tensors[k] = (t.float() * (1 + 1e-3 * torch.randn(t.shape, generator=gen))).to(dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    dst = tmp_path / "conv"
+    atom_convert.convert(src, dst, target="gfx942")
+    r = verify(dst, src, tokens=8)
+    assert r.ok, r.failures
+    assert r.check.values_checked > 20
+
+
 # -- corruptions ---------------------------------------------------------------------------------
 
 

@@ -212,8 +212,8 @@ def check_values(path: str | Path, source: str | Path, report: CheckReport | Non
                     exp = _expected_experts(src, name, weights, got, e.split, par.ranks[rank].slots, n_routed, rank)
                 else:
                     exp = torch.cat([_cut(source_value(src, n), e.split, rank) for n in weights])
-                    if e.dtype == "bfloat16":  # bf16 outputs of fp32 sources (router) are rounded
-                        exp = exp.to(torch.bfloat16).float()
+                if e.dtype == "bfloat16":  # bf16 outputs of fp32 or fp16 sources (the router bias, any
+                    exp = exp.to(torch.bfloat16).float()  # weight stored wider) are rounded, as the runtime holds them
                 if got.shape == exp.shape and flagged.intersection(e.sources):
                     keep = torch.isfinite(exp)
                     if not bool(keep.all()):
