@@ -281,6 +281,21 @@ def _model_type(tc: Callable[..., Path], tmp: Path) -> Case:
     return Case(src, UnsupportedError, ["config.json", "'qwen3_moe'", "DeepseekV3ForCausalLM", "deepseek_v3", "kimi_k2"])
 
 
+def _model_dtype(tc: Callable[..., Path], tmp: Path) -> Case:
+    # ATOM would build this model in fp16 (its ModelRunner's default dtype is the config's): not converted to bf16
+    src = copy_source(tc, tmp)
+    edit_config(src, lambda c: c.update(torch_dtype="float16"))
+    return Case(src, UnsupportedError, ["config.json", "torch_dtype is 'float16'", "bfloat16 model only",
+                                        "set torch_dtype to \"bfloat16\""])
+
+
+def _model_dtype_new_key(tc: Callable[..., Path], tmp: Path) -> Case:
+    # transformers 5 writes `dtype`
+    src = copy_source(tc, tmp)
+    edit_config(src, lambda c: c.update(dtype="float32"))
+    return Case(src, UnsupportedError, ["config.json", "dtype is 'float32'", "bfloat16 model only"])
+
+
 def _qlora_not_multiple_of_128(tc: Callable[..., Path], tmp: Path, q192: Path) -> Case:
     # read-only use of a module fixture: nothing to copy
     return Case(q192, UnsupportedError, ["model.layers.0.self_attn.q_a_proj", "q_lora_rank 192", "multiple of 128",
@@ -312,6 +327,8 @@ CASES: dict[str, Callable[..., Case]] = {
     "quant-compressed-tensors": _compressed_tensors,
     "unsupported-architecture": _architecture,
     "unsupported-model-type": _model_type,
+    "model-dtype-float16": _model_dtype,
+    "model-dtype-float32-dtype-key": _model_dtype_new_key,
     "fp8-q-lora-rank-192": _qlora_not_multiple_of_128,
     "tp-does-not-divide-heads": _tp_heads,
     "tp-does-not-divide-vocab": _tp_vocab,

@@ -116,10 +116,12 @@ class ModelSpec:
                 f"{where}: model_type {model_type!r} with architecture {arch} is not supported; "
                 f"expected one of {ok_types[arch]}"
             )
+        _refuse_model_dtype(cfg, where)
         text_prefix = TEXT_PREFIX.get(arch, "")
         if text_prefix:
             cfg = _text_config(cfg, where, arch)
             where = f"{where} text_config"
+            _refuse_model_dtype(cfg, where)
         r = _Reader(cfg, where, arch)
         # ATOM reads deepseek_v32 through transformers' DeepseekV3Config (atom-layout-next.md §0): V3's defaults.
         # glm_moe_dsa too (atom/config.py 603-611).
@@ -172,6 +174,21 @@ class ModelSpec:
         if spec.tie_word_embeddings:
             raise UnsupportedError(f"{where}: tie_word_embeddings=true; DeepSeek/Kimi (and ATOM) never tie them")
         return spec
+
+
+def _refuse_model_dtype(cfg: dict[str, Any], where: str) -> None:
+    """ATOM builds the model in the config's dtype (`dtype`, or `torch_dtype` as older transformers write it;
+    bf16 when neither is set): every unquantized parameter (norms, embedding, lm_head, router, unquantized
+    linears) then has that dtype (spec atom-layout.md §1.1). atom-convert writes them in bf16, so any other
+    model dtype is refused here rather than converted into a layout ATOM would not hold."""
+    for key in ("dtype", "torch_dtype"):
+        v = cfg.get(key)
+        if v is not None and v != "bfloat16":
+            raise UnsupportedError(
+                f"{where}: {key} is {v!r}; ATOM builds the model in the config's dtype, and atom-convert converts for "
+                f"a bfloat16 model only (the dtype of every DeepSeek, Kimi and GLM release). To serve this checkpoint "
+                f"in bf16, set {key} to \"bfloat16\" in config.json: ATOM then rounds the weights to bf16 as it "
+                f"loads them, and atom-convert does the same")
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
