@@ -91,6 +91,39 @@ def test_verify_passes_with_a_bf16_model_stored_wider(tiny_checkpoint, tmp_path,
     assert r.check.values_checked > 20
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_block_scales_stored_in_bf16_or_fp16(tiny_checkpoint, tmp_path, dtype):
+    """fp8 block scales stored in bf16 or fp16 are read, and convert byte for byte as the same values
+    stored in fp32 do: the upcast is exact, as ATOM's fp32 scale parameters take them (under ATOM's own
+    loader such a source holds the same bytes as the fp32 one, VERIFICATION.md). verify then passes."""
+    import atom_convert
+    from safetensors import safe_open
+
+    base = tiny_checkpoint("tiny-deepseek-v3", "fp8")
+    outs = []
+    for label, cast in (("narrow", lambda t: t.to(dtype)), ("wide", lambda t: t.to(dtype).float())):
+        src = tmp_path / label
+        shutil.copytree(base, src)
+        for f in sorted(src.glob("*.safetensors")):
+            tensors = load_file(str(f))
+            for k in tensors:
+                if k.endswith("weight_scale_inv"):
+                    tensors[k] = cast(tensors[k])
+            save_file(tensors, str(f), metadata={"format": "pt"})
+        atom_convert.convert(src, tmp_path / f"{label}-out", target="gfx942")
+        outs.append(tmp_path / f"{label}-out")
+    files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*.safetensors"))
+    assert files and files == sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*.safetensors"))
+    for rel in files:
+        with safe_open(str(outs[0] / rel), "pt") as a, safe_open(str(outs[1] / rel), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            for k in a.keys():
+                x, y = a.get_tensor(k), b.get_tensor(k)
+                assert x.dtype == y.dtype and torch.equal(_bytes(x), _bytes(y)), (rel, k)
+    r = verify(outs[0], tmp_path / "narrow", tokens=8)
+    assert r.ok, r.failures
+
+
 # -- corruptions ---------------------------------------------------------------------------------
 
 

@@ -73,6 +73,12 @@ def block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, 
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
+# The dtypes a `weight_scale_inv` may be stored in. DeepSeek's are fp32; a bf16 or fp16 one converts to fp32
+# exactly, as ATOM's fp32 scale parameters take it in their copy_ (under ATOM's own loader, a source with bf16
+# scales holds the same bytes as one with those values in fp32: VERIFICATION.md). Read with `.float()` below.
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
     """`{m}.weight` float8_e4m3fn [N, K] + `{m}.weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]."""
 
@@ -100,8 +106,9 @@ class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
             problems.append(f"missing tensor {s} (expected float32 scale grid {grid} for {w})")
         else:
             info = src.info(s)
-            if info.dtype != torch.float32:
-                problems.append(f"{info.file}: tensor {s} has dtype {info.dtype}, expected float32")
+            if info.dtype not in SCALE_DTYPES:
+                problems.append(f"{info.file}: tensor {s} has dtype {info.dtype}, expected float32 (bfloat16 and "
+                                f"float16 scales are read too)")
             if list(info.shape) != grid:
                 problems.append(
                     f"{info.file}: scale grid mismatch: {s} has shape {list(info.shape)}, expected {grid} "
