@@ -38,6 +38,19 @@ def test_verify_passes_tp2(converted, tiny_checkpoint, preset, fmt, target):
     assert r.ok, r.failures
 
 
+def _rewritten_source(tiny_checkpoint, preset: str, fmt: str, dst: Path, change) -> Path:
+    """A copy of a session source at `dst` whose tensors are `change(name, tensor)` where that gives one."""
+    shutil.copytree(tiny_checkpoint(preset, fmt), dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for k, t in tensors.items():
+            new = change(k, t)
+            if new is not None:
+                tensors[k] = new
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_verify_passes_with_norms_stored_wider_than_bf16(tiny_checkpoint, tmp_path, fmt, dtype):
@@ -47,16 +60,16 @@ def test_verify_passes_with_norms_stored_wider_than_bf16(tiny_checkpoint, tmp_pa
     (With the reference on the unrounded values, layer 0 and the logits were off by rel_l2 0.002-0.004.)"""
     import atom_convert
 
-    src = tmp_path / "src"
-    shutil.copytree(tiny_checkpoint("tiny-deepseek-v3", fmt), src)
     gen = torch.Generator().manual_seed(11)
     wide: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for k in tensors:
-            if k.endswith("norm.weight"):  # values that bf16 cannot hold
-                tensors[k] = wide[k] = (tensors[k].float() + 1e-3 * torch.randn(tensors[k].shape, generator=gen)).to(dtype)
-        save_file(tensors, str(f), metadata={"format": "pt"})
+
+    def widen(k: str, t: torch.Tensor) -> torch.Tensor | None:
+        if not k.endswith("norm.weight"):
+            return None
+        wide[k] = (t.float() + 1e-3 * torch.randn(t.shape, generator=gen)).to(dtype)  # values bf16 cannot hold
+        return wide[k]
+
+    src = _rewritten_source(tiny_checkpoint, "tiny-deepseek-v3", fmt, tmp_path / "src", widen)
     assert any(not torch.equal(t.to(torch.bfloat16).to(dtype), t) for t in wide.values())
     dst = tmp_path / "conv"
     atom_convert.convert(src, dst, target="gfx950")
@@ -76,14 +89,9 @@ def test_verify_passes_with_a_bf16_model_stored_wider(tiny_checkpoint, tmp_path,
     same way for every tensor, the stacked experts included (they were compared unrounded before)."""
     import atom_convert
 
-    src = tmp_path / "src"
-    shutil.copytree(tiny_checkpoint("tiny-deepseek-v3", "bf16"), src)
     gen = torch.Generator().manual_seed(12)
-    for f in sorted(src.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for k, t in tensors.items():
-            tensors[k] = (t.float() * (1 + 1e-3 * torch.randn(t.shape, generator=gen))).to(dtype)
-        save_file(tensors, str(f), metadata={"format": "pt"})
+    src = _rewritten_source(tiny_checkpoint, "tiny-deepseek-v3", "bf16", tmp_path / "src",
+                            lambda k, t: (t.float() * (1 + 1e-3 * torch.randn(t.shape, generator=gen))).to(dtype))
     dst = tmp_path / "conv"
     atom_convert.convert(src, dst, target="gfx942")
     r = verify(dst, src, tokens=8)
@@ -99,17 +107,10 @@ def test_fp8_block_scales_stored_in_bf16_or_fp16(tiny_checkpoint, tmp_path, dtyp
     import atom_convert
     from safetensors import safe_open
 
-    base = tiny_checkpoint("tiny-deepseek-v3", "fp8")
     outs = []
     for label, cast in (("narrow", lambda t: t.to(dtype)), ("wide", lambda t: t.to(dtype).float())):
-        src = tmp_path / label
-        shutil.copytree(base, src)
-        for f in sorted(src.glob("*.safetensors")):
-            tensors = load_file(str(f))
-            for k in tensors:
-                if k.endswith("weight_scale_inv"):
-                    tensors[k] = cast(tensors[k])
-            save_file(tensors, str(f), metadata={"format": "pt"})
+        src = _rewritten_source(tiny_checkpoint, "tiny-deepseek-v3", "fp8", tmp_path / label,
+                                lambda k, t, cast=cast: cast(t) if k.endswith("weight_scale_inv") else None)
         atom_convert.convert(src, tmp_path / f"{label}-out", target="gfx942")
         outs.append(tmp_path / f"{label}-out")
     files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*.safetensors"))

@@ -48,6 +48,7 @@ import torch
 from ..errors import BadInputError
 from .tensors import CheckReport, _cut, _sets, check_files, check_values
 from ..files.dtypes import FP8_BLOCK
+from ..layout.codecs.bf16 import FLOAT_DTYPES
 from ..layout.codecs.mxfp4 import MXFP4_BLOCK
 from ..layout.codecs.requant import mxfp4_exponent
 from ..store.manifest import Manifest
@@ -147,7 +148,7 @@ class SourceLayers:
         full = self.spec.text_prefix + name
         t = source_value(self.src, full)
         stored = self.src.info(full).dtype if full in self.src else None
-        if stored in (torch.float16, torch.float32, torch.float64) or name.endswith("mlp.gate.weight"):
+        if (stored in FLOAT_DTYPES and stored != torch.bfloat16) or name.endswith("mlp.gate.weight"):
             t = t.to(torch.bfloat16).float()
         return t.to(self.device)
 

@@ -10,7 +10,7 @@ import torch
 
 from ...errors import UnsupportedError
 from .base import LinearCodec, LinearData, SourceFormat, is_excluded, string_list
-from .bf16 import Bf16Linear
+from .bf16 import FLOAT_DTYPES, Bf16Linear
 from ...files.dtypes import FP8_BLOCK
 
 if TYPE_CHECKING:
@@ -73,10 +73,11 @@ def block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, 
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
-# The dtypes a `weight_scale_inv` may be stored in. DeepSeek's are fp32; a bf16 or fp16 one converts to fp32
-# exactly, as ATOM's fp32 scale parameters take it in their copy_ (under ATOM's own loader, a source with bf16
-# scales holds the same bytes as one with those values in fp32: VERIFICATION.md). Read with `.float()` below.
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes a `weight_scale_inv` may be stored in: the float dtypes read anywhere (codecs/bf16.py). DeepSeek's
+# are fp32; a bf16 or fp16 one converts to fp32 exactly, as ATOM's fp32 scale parameters take it in their copy_
+# (under ATOM's own loader, a source with bf16 scales holds the same bytes as one with those values in fp32:
+# VERIFICATION.md). Read with `.float()` below.
+SCALE_DTYPES = FLOAT_DTYPES
 
 
 class Fp8BlockLinear(LinearCodec, codec="fp8-block"):
