@@ -26,7 +26,7 @@ from atom_convert.layout import buffers
 from atom_convert.layout.codecs import fnuz as fnuz_mod
 from atom_convert.layout.codecs.fnuz import (fnuz_normalize, fnuz_normalize_, fnuz_normalize_scan_, fnuz_scale, target_scale,
                                     to_target_fp8)
-from atom_convert.layout.codecs.fp8_block import block_dequant
+from atom_convert.layout.codecs.fp8_block import block_dequant, fp8_float, identity_readback
 from atom_convert.layout.codecs.per_tensor import per_tensor_quant
 from atom_convert.layout.codecs.shuffle import shuffle16, shuffle_requirements_met, unshuffle16
 
@@ -426,6 +426,38 @@ def test_block_dequant_index_map():
     j = torch.arange(k)[None, :] // 128
     want = w.float() * s[i, j]
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [FN, FNUZ, torch.float8_e5m2, torch.float8_e5m2fnuz])
+def test_fp8_float_every_code_as_torch_converts_it(dtype):
+    """The table lookup gives torch's own fp32 bits for each of the 256 codes (NaN codes and -0
+    included), contiguous or strided, and a fresh tensor; other dtypes are copied, never aliased."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).view(16, 16)
+    for w in (codes, codes.t(), codes[::3, 1::2]):
+        got = fp8_float(w)
+        assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == w.shape
+        assert torch.equal(got.view(torch.int32), w.float().view(torch.int32))
+    f = torch.randn(4, 4)
+    got = fp8_float(f)
+    assert torch.equal(got, f) and got.data_ptr() != f.data_ptr()
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (4096, 512), (300, 200), (576, 320), (128, 130)])
+@pytest.mark.parametrize("target", [FN, FNUZ])
+def test_identity_readback_and_block_dequant_as_expanded_scales(n, k, target):
+    """The blocked in-place arithmetic gives the bits of the plain formula with the scales expanded to
+    the weight's shape (each element's product rounded once, -0 read back as +0), whole blocks and
+    partial edge blocks alike, every byte value included."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8).view(FN)
+    gn, gk = -(-n // 128), -(-k // 128)
+    s = (torch.rand(gn, gk, generator=gen) + 0.5) * torch.exp2(torch.randint(-20, 4, (gn, gk), generator=gen).float())
+    c = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    assert torch.equal(block_dequant(w, s).view(torch.int32), (w.float() * c).view(torch.int32))
+    fmax = float(torch.finfo(target).max)
+    a_scale = torch.tensor(1.0 / fmax, dtype=torch.float32)
+    want = ((w.float() * fmax) * (a_scale * c) + 0.0).to(BF16)
+    assert torch.equal(identity_readback(w, s, target).view(torch.int16), want.view(torch.int16))
 
 
 # ------------------------------------------------------------------------------------------------
