@@ -124,12 +124,14 @@ def recycle(folder: Path, nbytes: int, threads: int) -> None:
         path.unlink()
 
 
-def child(src: Path, dst: Path, stage: str, opts: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def child(src: Path, dst: Path, stage: str, opts: dict[str, Any], variants: dict[str, dict[str, Any]],
+          recycled_variants: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     import atom_convert
 
     _switch_off(stage, variants)
-    if stage == "recycled":
+    recycled = stage == "recycled" or (stage in variants and recycled_variants)
+    if recycled:
         recycle(dst.parent, source_bytes(src), opts["workers"])
     ru0 = resource.getrusage(resource.RUSAGE_SELF)  # the CPU counted from here: the convert call's
     t0 = time.perf_counter()
@@ -138,7 +140,7 @@ def child(src: Path, dst: Path, stage: str, opts: dict[str, Any], variants: dict
     digests = [next(v for k, v in f.items() if k != "bytes") for name, f in manifest.get("files", {}).items()
                if name.endswith(".safetensors")]
     ru_s, ru_c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"stage": stage, "convert_seconds": wall, "files": len(digests),
+    return {"stage": stage, "recycled": recycled, "convert_seconds": wall, "files": len(digests),
             "digests_void": bool(digests) and all(d == "0" * 64 for d in digests),
             "user_seconds": ru_s.ru_utime - ru0.ru_utime + ru_c.ru_utime,
             "sys_seconds": ru_s.ru_stime - ru0.ru_stime + ru_c.ru_stime}
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.CLASS.OPTION=VALUE[,...]",
                     help="an extra stage: the full conversion with these options (bench_convert's --variant)")
+    ap.add_argument("--recycled-variants", action="store_true",
+                    help="each --variant's run recycles the output's memory first, as the recycled stage does")
     ap.add_argument("--child", nargs=2, metavar=("DST", "STAGE"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO / "bench"))
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = a.workers or len(os.sched_getaffinity(0))
     opts = {"target": a.target, "tp": a.tp, "workers": workers}
     if a.child:
-        res = child(a.src, Path(a.child[0]), a.child[1], opts, variants)
+        res = child(a.src, Path(a.child[0]), a.child[1], opts, variants, a.recycled_variants)
         print("RESULT " + json.dumps(res), flush=True)
         os._exit(0)  # as the installed command ends (no interpreter teardown)
     stages = [s for s in a.stages.split(",") if s] + [v for v in variants if v not in a.stages.split(",")]
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         if s not in STAGES and s not in variants:
             ap.error(f"unknown stage {s!r}; one of {', '.join(STAGES)}")
     n = source_bytes(a.src)
+    a.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     for r in range(a.runs):
         for s in stages:
@@ -193,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, __file__, str(a.src), "--target", a.target, "--tp", str(a.tp),
                                 "--workers", str(workers), "--child", str(dst), s]
-                               + [x for v in a.variant for x in ("--variant", v)],
+                               + [x for v in a.variant for x in ("--variant", v)]
+                               + (["--recycled-variants"] if a.recycled_variants else []),
                                capture_output=True, text=True)
             wall = time.perf_counter() - t0
             shutil.rmtree(dst, ignore_errors=True)

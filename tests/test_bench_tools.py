@@ -183,6 +183,20 @@ def test_convert_stages_switches_off_what_it_names(tiny_checkpoint: Callable[...
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stages.json"]  # the outputs and the scratch file are gone
 
 
+def test_convert_stages_recycles_for_variants_when_asked(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """--recycled-variants: each variant's run recycles the output's memory first, as the recycled stage
+    does, and the other stages do not; a --out folder that does not exist yet is made."""
+    src = tiny_checkpoint(PRESET, "fp8")
+    out = tmp_path / "stages.json"
+    text = _run("bench/convert_stages.py", str(src), "--tp", "2", "--workers", "2", "--runs", "1", "--stages", "full",
+                "--out", str(tmp_path / "new" / "dir"), "--variant", "nice0:atom_convert.engine.procs.WorkerProcesses.nice=0",
+                "--recycled-variants", "--json", str(out))
+    by = {r["stage"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(by) == {"full", "nice0"}, text
+    assert by["nice0"]["recycled"] and not by["full"]["recycled"] and not by["nice0"]["digests_void"]
+    assert list((tmp_path / "new" / "dir").iterdir()) == []
+
+
 def test_expert_cpu_writes_the_shuffled_experts_and_removes_its_file(tiny_checkpoint: Callable[..., Path],
                                                                      tmp_path: Path) -> None:
     """bench/expert_cpu.py times the per-expert steps on rank 0's cut and checks what it wrote."""
