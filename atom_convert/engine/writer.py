@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import hashlib
 import mmap
@@ -127,6 +128,24 @@ def _aligned(mv: memoryview) -> memoryview:
     return out
 
 
+# Writers of one file take turns. A file system holds a file's lock (the inode's i_rwsem) across each
+# buffered write, and a second process writing the same file does not sleep on it: the kernel spins
+# while the holder copies, so two workers writing one rank's shard burn two cores for one's bytes
+# (bench/write_floor.py's `shared` way; BENCHMARKS.md, twenty-second round). Around each buffered
+# write a worker takes an open-file-description lock on its own descriptor of the file (F_OFD_SETLKW;
+# worker processes open the file each for themselves), so a waiting writer sleeps and its core works.
+# Only on local file systems that lock a file across a buffered write: a network file system would
+# send every lock to its server.
+TAKE_TURNS = True
+_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)  # Linux 3.15+
+_TURNS_FS = frozenset({_TMPFS_MAGIC, 0xEF53, 0x58465342, 0x9123683E})  # tmpfs, ext2/3/4, xfs, btrfs
+
+
+def _flock_struct(kind: int) -> bytes:
+    """A `struct flock` over the whole file (l_type, l_whence, l_start, l_len 0 = to the end, l_pid 0)."""
+    return struct.pack("hh4xqqi4x", kind, os.SEEK_SET, 0, 0, 0)
+
+
 class FaultHook:
     """The writer's fault-injection interface, for tests: production passes none (`fault=None`).
 
@@ -207,6 +226,7 @@ class _ShardIO:
         # whole blocks around the page cache (DIRECT_MIN_BYTES), unless the writer keeps the output cached
         self.dfd = _direct_fd(self.fd) if direct else None
         self.direct_bytes = 0  # bytes written through dfd
+        self.turns = _fs_type(self.fd) in _TURNS_FS  # _turn
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
@@ -240,10 +260,29 @@ class _ShardIO:
         self._buffered(mv, offset)
 
     def _buffered(self, mv: memoryview, offset: int) -> None:
-        while len(mv):
-            n = self._io(_pwrite, self.fd, mv, offset)
-            offset += n
-            mv = mv[n:]
+        if not len(mv):
+            return
+        locked = self._turn(fcntl.F_WRLCK)
+        try:
+            while len(mv):
+                n = self._io(_pwrite, self.fd, mv, offset)
+                offset += n
+                mv = mv[n:]
+        finally:
+            if locked:
+                self._turn(fcntl.F_UNLCK)
+
+    def _turn(self, kind: int) -> bool:
+        """Take (F_WRLCK) or give back (F_UNLCK) this descriptor's turn at the file (TAKE_TURNS); False
+        where turns are off or the file system has no such locks (then never asked again)."""
+        if not (TAKE_TURNS and self.turns and _OFD_SETLKW is not None):
+            return False
+        try:
+            fcntl.fcntl(self.fd, _OFD_SETLKW, _flock_struct(kind))
+            return True
+        except OSError:
+            self.turns = False
+            return False
 
     def _direct(self, mv: memoryview, offset: int) -> int:
         """Write whole blocks with O_DIRECT; the bytes written (all, unless a write came back short
