@@ -9,7 +9,10 @@ that part alone, with no conversion work around it: `--procs` processes at once,
 - into the same file again (pages that exist: the copy alone),
 - `shared`: into one new file for all the processes, each writing every P-th 8 MB piece of it, as the
   conversion's workers write into a rank's shard side by side (a file system that writes one call at a
-  time per file, as tmpfs and ext4 do under the file's lock, then shows it),
+  time per file, as tmpfs and ext4 do under the file's lock, then shows it); with `--share K`, one file
+  for each K processes (16 workers over a tp-8 conversion's 8 shards: `--procs 16 --share 2`),
+- `shared-turns`: the same, each write taking the file's turn as the conversion's writer does
+  (engine/writer.py, TAKE_TURNS: an open-file-description lock, so a waiting writer sleeps),
 
 and, for comparison, the first touch of as much fresh anonymous memory (a buffer allocated per
 item). Reports GB/s over all processes and CPU-seconds (user + system) per GB written, taken from
@@ -38,6 +41,9 @@ from pathlib import Path
 import numpy as np
 
 BUF = 8 << 20
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # atom_convert, for the shared-turns way
 
 
 def _cpu() -> float:
@@ -46,13 +52,20 @@ def _cpu() -> float:
 
 
 def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, float]:
-    """One process's part (process i of p): (start, end, CPU-s) of the way named, over n bytes."""
+    """One process's part (process i of p sharing its file; p is 1 for a file each): (start, end,
+    CPU-s) of the way named, over n bytes."""
     way, path, n, barrier, i, p = args
+    shared = way.startswith("shared")
+    turns = way == "shared-turns"
+    if turns:  # imported before the clock starts (the writer's module imports torch)
+        import fcntl
+
+        from atom_convert.engine.writer import _OFD_SETLKW, _flock_struct
     aligned = mmap.mmap(-1, BUF)  # page-aligned, as O_DIRECT needs
     buf = np.frombuffer(aligned, dtype=np.uint8)
     buf[:] = np.random.default_rng(os.getpid()).integers(0, 256, BUF, dtype=np.uint8)
     flags = (os.O_CREAT | os.O_RDWR | (os.O_DIRECT if way == "direct" else 0)
-             | (os.O_TRUNC if way != "shared" else 0))
+             | (os.O_TRUNC if not shared else 0))
     fd = os.open(path, flags, 0o600) if way != "anon" else -1
     try:
         if way == "rewrite":  # the pages first, then the timed rewrite of the same ones
@@ -64,35 +77,40 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
             a = np.empty(n, dtype=np.uint8)
             a[::4096] = 1  # one byte per page: the first touch, nothing else
             del a
-        elif way == "shared":
+        elif shared:
             for k in range(n // BUF):
+                if turns:
+                    fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_WRLCK))
                 os.pwrite(fd, buf, (k * p + i) * BUF)
+                if turns:
+                    fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_UNLCK))
         else:
             for off in range(0, n, BUF):
                 os.pwrite(fd, buf, off)
             if way in ("new-fsync", "direct"):
                 os.fsync(fd)
         t1, c1 = time.perf_counter(), _cpu()
-        if way == "shared":
+        if shared:
             barrier.wait()  # type: ignore[attr-defined]  (all written: the file is whole)
-        want = n * p if way == "shared" else n
+        want = n * p if shared else n
         if fd >= 0 and os.fstat(fd).st_size != want:
             raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {want}")
     finally:
         if fd >= 0:
             os.close(fd)
-            if way != "shared" or i == 0:
+            if not shared or i == 0:
                 os.unlink(path)
     return t0, t1, c1 - c0
 
 
-def measure(way: str, out: Path, procs: int, nbytes: int) -> dict[str, float]:
+def measure(way: str, out: Path, procs: int, nbytes: int, share: int | None = None) -> dict[str, float]:
     ctx = mp.get_context("fork")
+    k = min(share or procs, procs) if way.startswith("shared") else 1  # processes per file
     with ctx.Manager() as m:
         barrier = m.Barrier(procs)
         with ctx.Pool(procs) as pool:
-            res = pool.map(_one, [(way, str(out / f"write-floor-{os.getpid()}-{0 if way == 'shared' else i}.bin"),
-                                   nbytes, barrier, i, procs) for i in range(procs)], chunksize=1)
+            res = pool.map(_one, [(way, str(out / f"write-floor-{os.getpid()}-{i // k}.bin"),
+                                   nbytes, barrier, i % k, k) for i in range(procs)], chunksize=1)
     wall = max(r[1] for r in res) - min(r[0] for r in res)
     total = nbytes * procs
     return {"gb_per_s": round(total / wall / 1e9, 2), "cpu_s_per_gb": round(sum(r[2] for r in res) / (total / 1e9), 3)}
@@ -105,9 +123,10 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="GB each process writes")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ways", default="new,rewrite,anon",
-                    help="comma-separated: new, rewrite, anon, shared, new-fsync, direct (module docstring)")
+                    help="comma-separated: new, rewrite, anon, shared, shared-turns, new-fsync, direct (module docstring)")
+    ap.add_argument("--share", type=int, default=None, help="processes per file of the shared ways (default: all)")
     a = ap.parse_args()
-    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "new-fsync", "direct"}
+    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "shared-turns", "new-fsync", "direct"}
     if unknown:
         ap.error(f"--ways: unknown {', '.join(sorted(unknown))}")
     n = max(BUF, int(a.gb * 1e9) // BUF * BUF)
@@ -115,7 +134,8 @@ def main() -> int:
     for _ in range(a.rounds):
         for p in (int(x) for x in a.procs.split(",")):
             for way in a.ways.split(","):
-                r = {"way": way, "procs": p, **measure(way, a.out, p, n)}
+                r = {"way": way, "procs": p, **({"share": a.share} if a.share and way.startswith("shared") else {}),
+                     **measure(way, a.out, p, n, a.share)}
                 print(json.dumps(r), flush=True)
                 rep.append(r)
     return 0

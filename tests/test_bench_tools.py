@@ -221,6 +221,19 @@ def test_write_floor_reports_each_way_and_removes_its_files(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+def test_write_floor_shares_files_by_k_with_and_without_turns(tmp_path: Path) -> None:
+    """--share K: the shared ways give each K processes one file (4 processes, 2 files), each file whole
+    (the script checks its size), with the writer's turns or without; nothing left in --out."""
+    import json
+
+    text = _run("bench/write_floor.py", "--out", str(tmp_path), "--procs", "4", "--share", "2", "--gb", "0.02",
+                "--rounds", "1", "--ways", "shared,shared-turns")
+    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert [(r["way"], r["procs"], r["share"]) for r in rows] == [("shared", 4, 2), ("shared-turns", 4, 2)], text
+    assert all(r["gb_per_s"] > 0 for r in rows), rows
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_then_load_reads_every_ranks_files_after_each_variant(tiny_checkpoint: Callable[..., Path],
                                                                        tmp_path: Path) -> None:
     """bench/convert_then_load.py converts with and without --keep-cached and then reads each rank's
