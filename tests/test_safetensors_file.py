@@ -226,8 +226,18 @@ def test_weight_files(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> N
     index, files, wm = sf.weight_files(fp8)
     assert index == sf.INDEX_NAME and files == sorted(set(wm.values())) and len(files) == 2
     assert sf.weight_files(bf16) == (None, [sf.SINGLE_NAME], None)
-    with pytest.raises(CheckpointError, match="no model.safetensors and no model.safetensors.index.json"):
+    with pytest.raises(CheckpointError, match="no model.safetensors and no model.safetensors.index.json") as e:
         sf.weight_files(tmp_path)
+    assert "Point SRC at the folder" in str(e.value)
+    # shards without their index: named, with what to do
+    shutil.copy(fp8 / files[0], tmp_path / files[0])
+    (tmp_path / "consolidated.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no model.safetensors and no model.safetensors.index.json, but 2 other "
+                                              r"\.safetensors file\(s\): consolidated.safetensors, model-00001") as e:
+        sf.weight_files(tmp_path)
+    assert "needs its model.safetensors.index.json" in str(e.value) and "must be named model.safetensors" in str(e.value)
+    for f in (files[0], "consolidated.safetensors"):
+        (tmp_path / f).unlink()
     (tmp_path / sf.INDEX_NAME).write_text(json.dumps({"weight_map": {"w": "../x.safetensors"}}))
     with pytest.raises(CheckpointError, match="'../x.safetensors' leaves the checkpoint folder"):
         sf.weight_files(tmp_path)

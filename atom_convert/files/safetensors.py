@@ -378,6 +378,16 @@ def weight_files(folder: Path, check: Callable[[str, str], str | None] | None = 
         if problem:
             raise CheckpointError(problem)
         return None, [SINGLE_NAME], None
+    try:
+        others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    except OSError:
+        others = []
+    if others:  # names only: nothing else of them is read
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise CheckpointError(f"{folder}: no {SINGLE_NAME} and no {INDEX_NAME}, but {len(others)} other .safetensors "
+                              f"file(s): {shown}",
+                              hint=f"A checkpoint in several files needs its {INDEX_NAME} (download it from the "
+                                   f"release into SRC); a checkpoint in one file must be named {SINGLE_NAME}.")
     raise CheckpointError(f"{folder}: no {SINGLE_NAME} and no {INDEX_NAME}",
                           hint="Point SRC at the folder holding the checkpoint's safetensors files.")
 
