@@ -440,6 +440,17 @@ def test_fp8_float_every_code_as_torch_converts_it(dtype):
     f = torch.randn(4, 4)
     got = fp8_float(f)
     assert torch.equal(got, f) and got.data_ptr() != f.data_ptr()
+    got = fp8_float(torch.randn(6, 4, dtype=BF16).t())  # strided, another dtype: a contiguous fp32 copy
+    assert got.dtype == torch.float32 and got.is_contiguous()
+
+
+def test_block_dequant_of_a_strided_float_weight():
+    """A weight that is not fp8 and not contiguous (a transposed bf16 view) dequantises as the plain formula."""
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(256, 384, generator=gen).to(BF16).t()  # [384, 256]: whole blocks, strided
+    s = torch.rand(3, 2, generator=gen) + 0.5
+    c = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(block_dequant(w, s), w.float() * c)
 
 
 @pytest.mark.parametrize("n,k", [(256, 384), (4096, 512), (300, 200), (576, 320), (128, 130)])

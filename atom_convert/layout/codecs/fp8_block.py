@@ -42,7 +42,7 @@ def fp8_float(w: torch.Tensor) -> torch.Tensor:
     elements per second on one core of the 2-core box, the lookup about 400 M. Any other dtype: a
     copy of `w` in fp32 (never `w` itself: the callers write into the result)."""
     if w.dtype not in _FP8_DTYPES:
-        return w.to(torch.float32, copy=True)
+        return w.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     import numpy as np  # comes with torch; not imported with atom_convert
 
     return torch.from_numpy(np.take(_fp8_table(w.dtype), w.view(torch.uint8).numpy()))
