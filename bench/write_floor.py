@@ -129,6 +129,8 @@ def main() -> int:
     unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "shared-turns", "new-fsync", "direct"}
     if unknown:
         ap.error(f"--ways: unknown {', '.join(sorted(unknown))}")
+    if a.share is not None and (a.share < 1 or any(int(x) % min(a.share, int(x)) for x in a.procs.split(","))):
+        ap.error(f"--share {a.share}: must be at least 1 and divide each of --procs {a.procs}")
     n = max(BUF, int(a.gb * 1e9) // BUF * BUF)
     rep = []
     for _ in range(a.rounds):
