@@ -101,10 +101,16 @@ def _fs_type(fd: int) -> int | None:
         return None
 
 
-def _direct_fd(fd: int) -> int | None:
+_UNREAD = -1  # _direct_fd's fs_type: not read yet
+
+
+def _direct_fd(fd: int, fs_type: int | None = _UNREAD) -> int | None:
     """A second descriptor of the same open file, for O_DIRECT writes; None where direct writes are
-    off, on tmpfs, or refused. Reopened through /proc/self/fd: the same inode, never the name again."""
-    if not DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or _fs_type(fd) in (None, _TMPFS_MAGIC):
+    off, on tmpfs, or refused. Reopened through /proc/self/fd: the same inode, never the name again.
+    `fs_type`: the file's `_fs_type`, where the caller has read it already."""
+    if fs_type == _UNREAD:
+        fs_type = _fs_type(fd)
+    if not DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or fs_type in (None, _TMPFS_MAGIC):
         return None
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -224,9 +230,10 @@ class _ShardIO:
         # file is created exclusively: O_EXCL with O_CREAT does not follow one)
         self.fd = self._io(os.open, self.tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # umask applies
         # whole blocks around the page cache (DIRECT_MIN_BYTES), unless the writer keeps the output cached
-        self.dfd = _direct_fd(self.fd) if direct else None
+        fs_type = _fs_type(self.fd)  # one fstatfs: it decides the direct writes and the turns
+        self.dfd = _direct_fd(self.fd, fs_type) if direct else None
         self.direct_bytes = 0  # bytes written through dfd
-        self.turns = _fs_type(self.fd) in _TURNS_FS  # _turn
+        self.turns = fs_type in _TURNS_FS  # _turn
 
     def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run an OS call, naming this shard in the error (pwrite and fsync raise without a path)."""
