@@ -479,6 +479,10 @@ _config_case("config-heads-null", _set("num_attention_heads", None), ["num_atten
 _config_case("config-kv-lora-rank-absent", lambda c: c.pop("kv_lora_rank"), ["kv_lora_rank", "missing"])
 _config_case("config-moe-layer-freq-zero", _set("moe_layer_freq", 0), ["moe_layer_freq", ">= 1", "got 0"])
 _config_case("config-experts-negative", _set("n_routed_experts", -8), ["n_routed_experts", ">= 0", "-8"])
+_config_case("config-top-k-above-experts", _set("num_experts_per_tok", 9),
+             ["num_experts_per_tok=9", "n_routed_experts=8", "1..8"])
+_config_case("config-groups-do-not-divide-experts", _set("n_group", 3), ["n_routed_experts=8", "n_group=3", "divide"])
+_config_case("config-topk-group-above-groups", _set("topk_group", 5), ["topk_group=5", "n_group=4", "1..4"])
 _config_case("config-vocab-zero", _set("vocab_size", 0), ["vocab_size", ">= 1", "got 0"])
 _config_case("config-layers-huge", _set("num_hidden_layers", 10**9), ["num_hidden_layers", "1000000000", "layer 4"])
 _config_case("config-experts-huge", _set("n_routed_experts", 10**9), ["n_routed_experts", "1000000000", "0..7"])

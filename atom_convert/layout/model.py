@@ -171,9 +171,30 @@ class ModelSpec:
         if spec.E and not spec.I:
             raise ConfigError(f"{where}: n_routed_experts={spec.E} but moe_intermediate_size is missing or 0 "
                               f"(expected an integer >= 1)")
+        if spec.E:
+            _check_router(spec, where)
         if spec.tie_word_embeddings:
             raise UnsupportedError(f"{where}: tie_word_embeddings=true; DeepSeek/Kimi (and ATOM) never tie them")
         return spec
+
+
+def _check_router(spec: ModelSpec, where: str) -> None:
+    """The routing settings a MoE model can be built with. They change no weight, but ATOM builds every
+    MoE layer with grouped top-k (atom/models/deepseek_v2.py, FusedMoE(use_grouped_topk=True, num_expert_group=
+    n_group, topk_group=...)), which splits the experts into n_group equal groups, keeps topk_group of them and
+    picks num_experts_per_tok experts: a config that breaks this would convert and then fail in the server."""
+    problems = []
+    if spec.top_k > spec.E:
+        problems.append(f"num_experts_per_tok={spec.top_k} is more than n_routed_experts={spec.E} "
+                        f"(expected 1..{spec.E})")
+    if spec.E % spec.n_group:
+        problems.append(f"n_routed_experts={spec.E} does not split into n_group={spec.n_group} equal groups "
+                        f"(expected n_group to divide n_routed_experts)")
+    if spec.topk_group > spec.n_group:
+        problems.append(f"topk_group={spec.topk_group} is more than n_group={spec.n_group} "
+                        f"(expected 1..{spec.n_group})")
+    if problems:
+        raise ConfigError([f"{where}: {p}" for p in problems])
 
 
 def _refuse_model_dtype(cfg: dict[str, Any], where: str) -> None:
