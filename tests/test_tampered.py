@@ -422,6 +422,28 @@ def test_untouched_directory_passes_every_reader(base: Path) -> None:
         assert _run(reader, base, base) == [], reader
 
 
+def test_unlisted_shards_are_a_note_not_a_problem(base: Path, tmp_path: Path) -> None:
+    """A .safetensors file the manifest does not list (here beside the shards and inside mtp/) is named in a
+    note, since no loader reads it, and the check still passes; a directory reached through a symlink is
+    not walked. An untouched directory has no such note."""
+    assert not [n for n in check_files(base).notes if "does not list" in n]
+    d, outside = tmp_path / "conv", tmp_path / "elsewhere"
+    shutil.copytree(base, d)
+    outside.mkdir()
+    first = sorted(d.glob("*.safetensors"))[0]
+    shutil.copy(first, d / "copy-of-rank0.safetensors")
+    assert (d / "mtp").is_dir()
+    shutil.copy(first, d / "mtp" / "old.safetensors")
+    shutil.copy(first, outside / "beyond.safetensors")
+    (d / "linked").symlink_to(outside, target_is_directory=True)
+    report = check_files(d)
+    assert report.ok, report.problems
+    notes = [n for n in report.notes if "does not list" in n]
+    assert len(notes) == 1 and notes[0].startswith("2 .safetensors file(s)"), report.notes
+    assert "copy-of-rank0.safetensors" in notes[0] and "mtp/old.safetensors" in notes[0]
+    assert "beyond" not in notes[0]
+
+
 def test_the_cli_exits_2_naming_the_manifest(base: Path, tmp_path: Path) -> None:
     from hostile_util import run_cli
 

@@ -86,7 +86,28 @@ def check_files(path: str | Path, report: CheckReport | None = None) -> CheckRep
         report.files_checked += 1
     for root, m in sets:
         _check_headers(path, root, m, report)
+    _note_unlisted(path, sets, report)
     return report
+
+
+def _note_unlisted(path: Path, sets: list[tuple[Path, dict[str, Any]]], report: CheckReport) -> None:
+    """A `.safetensors` file in the directory that no manifest lists (a stray copy, a shard of another
+    conversion): no loader reads it, so it is a note, not a problem. Directories are walked without
+    following symlinks."""
+    import os
+
+    listed = {(root / rel).relative_to(path).as_posix() for root, m in sets for rel in m["files"]}
+    stray = []
+    for top, dirs, files in os.walk(path, followlinks=False):
+        dirs.sort()
+        for f in sorted(files):
+            rel = (Path(top) / f).relative_to(path).as_posix()
+            if f.endswith(".safetensors") and rel not in listed:
+                stray.append(rel)
+    if stray:
+        shown = ", ".join(stray[:5]) + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+        _note(report, f"{len(stray)} .safetensors file(s) here that the manifest does not list, so no loader "
+                      f"reads them: {shown}")
 
 
 def _check_headers(path: Path, root: Path, m: dict[str, Any], report: CheckReport) -> None:
