@@ -141,7 +141,7 @@ def main() -> None:
             cold()
             t0 = time.perf_counter()
             subprocess.run(cli + flags, check=True, stdout=subprocess.DEVNULL, cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
             conv = time.perf_counter() - t0
             load = load_all(dst, args.tp, args.target, read)
             run = {"pair": i, "variant": name, "convert_s": conv, "load": load, "total_s": conv + load["s"]}
