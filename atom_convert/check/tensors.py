@@ -15,6 +15,7 @@ and each tensor concerned is named in the report's notes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -94,8 +95,6 @@ def _note_unlisted(path: Path, sets: list[tuple[Path, dict[str, Any]]], report: 
     """A `.safetensors` file in the directory that no manifest lists (a stray copy, a shard of another
     conversion): no loader reads it, so it is a note, not a problem. Directories are walked without
     following symlinks."""
-    import os
-
     listed = {(root / rel).relative_to(path).as_posix() for root, m in sets for rel in m["files"]}
     stray = []
     for top, dirs, files in os.walk(path, followlinks=False):
