@@ -649,6 +649,65 @@ def test_quantized_vision_refused_under_plugin(k25_src, work):
         atom_convert.convert(bad, work / "refused-u8", target="gfx950", profile="vllm-plugin")
 
 
+def _two_block_tower(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor], dict[str, Any]], None]) -> Path:
+    """`src` with its vision tower's block 0 repeated as block 1 (vt_num_hidden_layers 2), then `edit`ed."""
+    t = _tensors(src)
+    p0 = "vision_tower.encoder.blocks.0."
+    t.update({"vision_tower.encoder.blocks.1." + k[len(p0):]: v.clone() for k, v in t.items() if k.startswith(p0)})
+    c = json.loads((src / "config.json").read_text())
+    c["vision_config"]["vt_num_hidden_layers"] = 2
+    edit(t, c)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(c, indent=2))
+    return dst
+
+
+TOWER_CASES = [
+    ("whole", lambda t, c: None, None),
+    ("block-1-lacks-a-bias", lambda t, c: t.pop("vision_tower.encoder.blocks.1.wo.bias"),
+     r"vision_tower\.encoder\.blocks\.1 lacks wo\.bias"),
+    ("block-0-lacks-a-weight", lambda t, c: t.pop("vision_tower.encoder.blocks.0.mlp.fc1.weight"),
+     r"vision_tower\.encoder\.blocks\.0 lacks mlp\.fc1\.weight"),
+    ("block-1-misshapen", lambda t, c: t.__setitem__("vision_tower.encoder.blocks.1.wqkv.weight",
+                                                      torch.randn(96, 64).bfloat16()),
+     r"blocks\.1\.wqkv\.weight has shape \[96, 64\] torch\.bfloat16, expected \[192, 64\] torch\.bfloat16 as in block 0"),
+    ("block-1-extra-tensor", lambda t, c: t.__setitem__("vision_tower.encoder.blocks.1.extra.weight",
+                                                         torch.randn(4).bfloat16()),
+     r"blocks\.1\.extra\.weight: block 0 has no extra\.weight"),
+    ("config-says-more-blocks", lambda t, c: c["vision_config"].__setitem__("vt_num_hidden_layers", 4),
+     r"holds encoder blocks 0\.\.1, but config\.json vision_config says 4 layer\(s\) \(expected blocks 0\.\.3; "
+     r"missing 2\.\.3\)"),
+    ("config-says-fewer-blocks", lambda t, c: c["vision_config"].__setitem__("vt_num_hidden_layers", 1),
+     r"beyond it 1\)"),
+    ("no-final-norm", lambda t, c: t.pop("vision_tower.encoder.final_layernorm.bias"),
+     r"missing tensor vision_tower\.encoder\.final_layernorm\.bias"),
+    ("projector-output-not-hidden", lambda t, c: t.__setitem__("mm_projector.proj.2.weight", torch.randn(128, 256).bfloat16()),
+     r"mm_projector\.proj\.2\.weight has shape \[128, 256\], expected \[256, K\]"),
+    ("projector-widths-disagree", lambda t, c: t.__setitem__("mm_projector.proj.0.weight", torch.randn(200, 256).bfloat16()),
+     r"mm_projector\.proj\.0\.weight has shape \[200, 256\], expected 2-D with 256 rows"),
+]
+
+
+@pytest.mark.parametrize("case, edit, message", TOWER_CASES, ids=[c[0] for c in TOWER_CASES])
+def test_plugin_vision_tower_checked_whole(k25_src, work, case, edit, message):
+    """Under --profile vllm-plugin the carried tower must be whole, refused before converting rather than at
+    the server's load: blocks 0..N-1 as vision_config says, each with MoonViT's twelve tensors and block 0's
+    shapes, the final norm and patch embedding, and a projector whose output is the text hidden size. A whole
+    two-block tower converts; `--profile atom` drops the tower and never looks."""
+    src = _two_block_tower(k25_src("bf16"), work / "bad" / f"tower-{case}", edit)
+    dst = work / f"tower-{case}"
+    if message is None:
+        atom_convert.convert(src, dst, target="gfx950", profile="vllm-plugin", force=True)
+        return
+    with pytest.raises(CheckpointError, match=message):
+        atom_convert.convert(src, dst, target="gfx950", profile="vllm-plugin")
+    assert not dst.exists()
+    atom_convert.convert(src, work / f"tower-{case}-native", target="gfx950", force=True)
+
+
 def test_mxfp4_on_gfx942_refused(k25_src, work, capsys):
     with pytest.raises(UnsupportedError, match=r"MXFP4 checkpoints convert for gfx950 only"):
         atom_convert.convert(k25_src("mxfp4"), work / "refused-942", target="gfx942")

@@ -20,6 +20,7 @@ The vision tower and the projector (`vision_tower.*`, `mm_projector.*`, atom-lay
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import Any, Iterator
 
@@ -36,6 +37,13 @@ from .deepseek import DeepseekLoader
 from .deepseek_rules import BF16, _Ctx
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+# MoonViT's block and the tower's other parts (atom-layout-next.md §3.1; the patch embedding under either of the
+# two spellings §3.1 and §5.4 name).
+BLOCK_PARTS = tuple(f"{m}.{p}" for m in ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1") for p in ("weight", "bias"))
+TOWER_PARTS = (("vision_tower.encoder.final_layernorm.weight",), ("vision_tower.encoder.final_layernorm.bias",),
+               ("vision_tower.patch_embed.pos_emb.weight", "vision_tower.encoder.patch_embed.pos_emb.weight"),
+               ("vision_tower.patch_embed.proj.weight", "vision_tower.encoder.patch_embed.proj.weight"))
+_BLOCK = re.compile(r"vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
 # ATOM's plugin WeightsMapper for the projector (atom/plugin/vllm/models/kimi_k25.py 194-203).
 PROJECTOR_MAP = (("mm_projector.proj.0.", "mm_projector.linear_1."), ("mm_projector.proj.2.", "mm_projector.linear_2."))
 PROJECTOR_NAMES = ("mm_projector.proj.0.", "mm_projector.proj.2.", "mm_projector.pre_norm.")
@@ -119,6 +127,7 @@ class KimiK25Loader(DeepseekLoader):
                 problems.append(f"{info.file}: tensor {n} has dtype {info.dtype}: the vision tower and projector are "
                                 f"carried in bf16 for the plugin (AMD's exports keep them bf16: exclude "
                                 f"*vision_tower* *mm_projector*); re-export them unquantized")
+        problems += _tower_blocks(src, names) + _projector_shapes(src, spec)
         if problems:
             raise CheckpointError(problems, hint="Download the complete checkpoint (vision_tower.*, mm_projector.*), "
                                                  "or convert with --profile atom, which needs no vision tensor.")
@@ -135,3 +144,86 @@ class KimiK25Loader(DeepseekLoader):
             outs.append(OutTensor(plugin_name(n), BF16, tuple(info.shape), (n,), partial(_carried, ctx, n),
                                   meta={"carried": "vision", "checkpoint_name": n}))
         main.groups.append(Group("vision", outs))
+
+
+def _tower_blocks(src: SourceCheckpoint, names: list[str]) -> list[str]:
+    """The vision encoder's blocks must be whole: indices 0..N-1 with N the vision_config's layer count
+    (Moonshot's `vt_num_hidden_layers`, or transformers' `num_hidden_layers`), and every block holding the
+    same tensors, in the same shapes and dtypes, as block 0. A hole in the carried tower would otherwise be
+    found only when the server starts (load_into refuses a module tree with a parameter the manifest lacks),
+    after the whole conversion, and its upload, had run."""
+    vc = src.config["vision_config"]
+    where = src.path / "config.json"
+    blocks: dict[int, dict[str, Any]] = {}
+    for n in names:
+        m = _BLOCK.match(n)
+        if m:
+            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = src.info(n)
+    problems = []
+    count = vc.get("vt_num_hidden_layers", vc.get("num_hidden_layers"))
+    if isinstance(count, int) and not isinstance(count, bool) and sorted(blocks) != list(range(count)):
+        have = sorted(blocks)
+        missing = sorted(set(range(count)) - set(have))
+        extra = [j for j in have if j >= count]
+        problems.append(f"{src.path}: the vision tower holds encoder blocks {_ranges(have) or 'none'}, but "
+                        f"{where.name} vision_config says {count} layer(s) (expected blocks 0..{count - 1}"
+                        + (f"; missing {_ranges(missing)}" if missing else "")
+                        + (f"; beyond it {_ranges(extra)}" if extra else "") + ")")
+    for j in sorted(blocks):
+        lacking = [part for part in BLOCK_PARTS if part not in blocks[j]]
+        if lacking:
+            problems.append(f"{src.path}: vision_tower.encoder.blocks.{j} lacks {', '.join(lacking)} (each block of "
+                            f"the tower has {', '.join(BLOCK_PARTS)})")
+    for need in TOWER_PARTS:
+        if not any(n in src for n in need):
+            problems.append(f"{src.path}: missing tensor {' or '.join(need)}")
+    if 0 in blocks:
+        ref = blocks[0]
+        for j in sorted(blocks)[1:]:
+            for part in sorted(set(ref) | set(blocks[j])):
+                a, b = ref.get(part), blocks[j].get(part)
+                name = f"vision_tower.encoder.blocks.{j}.{part}"
+                if b is None:
+                    if part not in BLOCK_PARTS:  # those are named above
+                        problems.append(f"{src.path}: missing tensor {name} (block 0 has {part})")
+                elif a is None:
+                    problems.append(f"{b.file}: tensor {name}: block 0 has no {part}; every block of the tower "
+                                    f"has the same tensors")
+                elif (a.shape, a.dtype) != (b.shape, b.dtype):
+                    problems.append(f"{b.file}: tensor {name} has shape {list(b.shape)} {b.dtype}, expected "
+                                    f"{list(a.shape)} {a.dtype} as in block 0")
+    return problems
+
+
+def _projector_shapes(src: SourceCheckpoint, spec: ModelSpec) -> list[str]:
+    """The projector maps the merged vision features to the text model's hidden size: proj.2's rows are
+    text_config.hidden_size, proj.0's rows are proj.2's columns, and each bias has its weight's rows."""
+    problems = []
+    w0, w2 = "mm_projector.proj.0.weight", "mm_projector.proj.2.weight"
+    if w0 not in src or w2 not in src:
+        return problems  # named missing above
+    i0, i2 = src.info(w0), src.info(w2)
+    if len(i2.shape) != 2 or i2.shape[0] != spec.H:
+        problems.append(f"{i2.file}: tensor {w2} has shape {list(i2.shape)}, expected [{spec.H}, K]: its output is "
+                        f"the text model's hidden_size ({spec.H})")
+    if len(i0.shape) != 2 or (len(i2.shape) == 2 and i0.shape[0] != i2.shape[1]):
+        problems.append(f"{i0.file}: tensor {w0} has shape {list(i0.shape)}, expected 2-D with "
+                        f"{i2.shape[-1]} rows ({w2}'s input width)")
+    for w in (w0, w2):
+        b = w.removesuffix("weight") + "bias"
+        if b in src and len(src.info(w).shape) == 2 and tuple(src.info(b).shape) != (src.info(w).shape[0],):
+            problems.append(f"{src.info(b).file}: tensor {b} has shape {list(src.info(b).shape)}, expected "
+                            f"[{src.info(w).shape[0]}] ({w}'s rows)")
+    return problems
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0..2, 5'."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}..{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
