@@ -688,6 +688,9 @@ TOWER_CASES = [
      r"mm_projector\.proj\.2\.weight has shape \[128, 256\], expected \[256, K\]"),
     ("projector-widths-disagree", lambda t, c: t.__setitem__("mm_projector.proj.0.weight", torch.randn(200, 256).bfloat16()),
      r"mm_projector\.proj\.0\.weight has shape \[200, 256\], expected 2-D with 256 rows"),
+    ("projector-weights-not-matrices", lambda t, c: t.update({"mm_projector.proj.2.weight": torch.randn(256).bfloat16(),
+                                                              "mm_projector.proj.0.weight": torch.tensor(1.0).bfloat16()}),
+     r"(?s)proj\.2\.weight has shape \[256\], expected \[256, K\].*proj\.0\.weight has shape \[\], expected a 2-D"),
 ]
 
 

@@ -206,9 +206,11 @@ def _projector_shapes(src: SourceCheckpoint, spec: ModelSpec) -> list[str]:
     if len(i2.shape) != 2 or i2.shape[0] != spec.H:
         problems.append(f"{i2.file}: tensor {w2} has shape {list(i2.shape)}, expected [{spec.H}, K]: its output is "
                         f"the text model's hidden_size ({spec.H})")
-    if len(i0.shape) != 2 or (len(i2.shape) == 2 and i0.shape[0] != i2.shape[1]):
+    if len(i0.shape) != 2:
+        problems.append(f"{i0.file}: tensor {w0} has shape {list(i0.shape)}, expected a 2-D weight")
+    elif len(i2.shape) == 2 and i0.shape[0] != i2.shape[1]:
         problems.append(f"{i0.file}: tensor {w0} has shape {list(i0.shape)}, expected 2-D with "
-                        f"{i2.shape[-1]} rows ({w2}'s input width)")
+                        f"{i2.shape[1]} rows ({w2}'s input width)")
     for w in (w0, w2):
         b = w.removesuffix("weight") + "bias"
         if b in src and len(src.info(w).shape) == 2 and tuple(src.info(b).shape) != (src.info(w).shape[0],):
