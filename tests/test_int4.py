@@ -125,6 +125,62 @@ def test_int4_bad_weight_shape_value_refused(srcs, tmp_path) -> None:
         atom_convert.convert(bad, tmp_path / "o", target="gfx950", quantize="mxfp4")
 
 
+_E = "model.layers.1.mlp.experts.3.gate_proj"
+
+
+def _weights(g):
+    return lambda c: g(c["quantization_config"]["config_groups"]["group_0"]["weights"])
+
+
+# (case, tensor edit or None, config edit or None, what the message must name)
+INT4_DAMAGE = [
+    ("packed-as-float", lambda t: t.__setitem__(_E + ".weight_packed", t[_E + ".weight_packed"].float()), None,
+     [_E + ".weight_packed", "float32"]),
+    ("packed-short-rows", lambda t: t.__setitem__(_E + ".weight_packed", t[_E + ".weight_packed"][:-1]), None,
+     [_E + ".weight_packed", "shape"]),
+    ("scale-short", lambda t: t.__setitem__(_E + ".weight_scale", t[_E + ".weight_scale"][:, :-1]), None,
+     [_E + ".weight_scale", "shape"]),
+    ("scale-nan", lambda t: t[_E + ".weight_scale"].fill_(float("nan")), None, [_E + ".weight_scale", "NaN"]),
+    ("scale-zero", lambda t: t[_E + ".weight_scale"].zero_(), None, [_E + ".weight_scale", "zero or negative"]),
+    ("scale-missing", lambda t: t.pop(_E + ".weight_scale"), None, [_E + ".weight_scale", "missing"]),
+    ("bits-8", None, _weights(lambda w: w.__setitem__("num_bits", 8)), ["num_bits", "8"]),
+    ("group-64", None, _weights(lambda w: w.__setitem__("group_size", 64)), ["group_size is 64", "expected 32"]),
+    ("asymmetric", None, _weights(lambda w: w.__setitem__("symmetric", False)), ["symmetric"]),
+    ("activations-quantized", None,
+     lambda c: c["quantization_config"]["config_groups"]["group_0"].__setitem__(
+         "input_activations", {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}),
+     ["input_activations", "W4A16"]),
+]
+
+
+@pytest.mark.parametrize("case, edit_t, edit_c, words", INT4_DAMAGE, ids=[c[0] for c in INT4_DAMAGE])
+def test_damaged_int4_source_refused(srcs, tmp_path, case, edit_t, edit_c, words) -> None:
+    """A damaged int4 source (packed weights, scales, the quantization_config's weight scheme) is refused
+    with exit 2 by `convert --quantize mxfp4`, naming the tensor or key, and nothing is left behind."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cliutil import leftovers
+    from hostile_util import run_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(srcs["int4"], bad)
+    if edit_t is not None:
+        t = load_file(str(bad / "model.safetensors"))
+        edit_t(t)
+        save_file({k: v.contiguous() for k, v in t.items()}, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    if edit_c is not None:
+        c = json.loads((bad / "config.json").read_text())
+        edit_c(c)
+        (bad / "config.json").write_text(json.dumps(c))
+    out = tmp_path / "out"
+    r = run_cli(["convert", str(bad), str(out), "--target", "gfx950", "--tp", "2", "--quantize", "mxfp4"])
+    assert r.code == 2, r.text
+    assert "Traceback" not in r.text and all(w in r.text for w in words), r.text
+    assert not out.exists() and not leftovers(out)
+
+
 # ------------------------------------------------------------------------------------------------
 # The quantisers against their oracles
 # ------------------------------------------------------------------------------------------------
