@@ -27,7 +27,7 @@ def _direct_here(folder: Path) -> bool:
     p = folder / "probe"
     fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        return writer_mod._direct_fd(fd) is not None and writer_mod._fs_type(fd) != writer_mod._TMPFS_MAGIC
+        return writer_mod._direct_fd(fd, writer_mod._fs_type(fd)) is not None and writer_mod._fs_type(fd) != writer_mod._TMPFS_MAGIC
     finally:
         os.close(fd)
         p.unlink()
@@ -139,14 +139,14 @@ def test_no_direct_writes_on_tmpfs_or_when_turned_off(tmp_path: Path, monkeypatc
         fd = os.open(shm / f"atom-convert-test-{os.getpid()}", os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         try:
             if writer_mod._fs_type(fd) == writer_mod._TMPFS_MAGIC:
-                assert writer_mod._direct_fd(fd) is None
+                assert writer_mod._direct_fd(fd, writer_mod._fs_type(fd)) is None
         finally:
             os.close(fd)
             os.unlink(shm / f"atom-convert-test-{os.getpid()}")
     monkeypatch.setattr(writer_mod, "DIRECT_MIN_BYTES", 0)
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        assert writer_mod._direct_fd(fd) is None
+        assert writer_mod._direct_fd(fd, writer_mod._fs_type(fd)) is None
     finally:
         os.close(fd)
 

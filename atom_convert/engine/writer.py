@@ -101,15 +101,10 @@ def _fs_type(fd: int) -> int | None:
         return None
 
 
-_UNREAD = -1  # _direct_fd's fs_type: not read yet
-
-
-def _direct_fd(fd: int, fs_type: int | None = _UNREAD) -> int | None:
+def _direct_fd(fd: int, fs_type: int | None) -> int | None:
     """A second descriptor of the same open file, for O_DIRECT writes; None where direct writes are
-    off, on tmpfs, or refused. Reopened through /proc/self/fd: the same inode, never the name again.
-    `fs_type`: the file's `_fs_type`, where the caller has read it already."""
-    if fs_type == _UNREAD:
-        fs_type = _fs_type(fd)
+    off, on tmpfs (`fs_type`, the file's `_fs_type`), or refused. Reopened through /proc/self/fd: the
+    same inode, never the name again."""
     if not DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or fs_type in (None, _TMPFS_MAGIC):
         return None
     try:
