@@ -211,11 +211,11 @@ def _projector_shapes(src: SourceCheckpoint, spec: ModelSpec) -> list[str]:
     elif len(i2.shape) == 2 and i0.shape[0] != i2.shape[1]:
         problems.append(f"{i0.file}: tensor {w0} has shape {list(i0.shape)}, expected 2-D with "
                         f"{i2.shape[1]} rows ({w2}'s input width)")
-    for w in (w0, w2):
+    for w, wi in ((w0, i0), (w2, i2)):
         b = w.removesuffix("weight") + "bias"
-        if b in src and len(src.info(w).shape) == 2 and tuple(src.info(b).shape) != (src.info(w).shape[0],):
-            problems.append(f"{src.info(b).file}: tensor {b} has shape {list(src.info(b).shape)}, expected "
-                            f"[{src.info(w).shape[0]}] ({w}'s rows)")
+        bi = src.info(b) if b in src else None
+        if bi is not None and len(wi.shape) == 2 and tuple(bi.shape) != (wi.shape[0],):
+            problems.append(f"{bi.file}: tensor {b} has shape {list(bi.shape)}, expected [{wi.shape[0]}] ({w}'s rows)")
     return problems
 
 
