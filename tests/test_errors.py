@@ -409,6 +409,27 @@ def test_real_entry_point_subprocess(tiny_checkpoint: Callable[..., Path], tmp_p
     assert_nothing_written(dst)
 
 
+def test_two_shared_experts_where_atom_fuses_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A V3-architecture checkpoint with n_shared_experts 2 (a real one, built by transformers): ATOM
+    fuses same-format shared experts into the routed kernel and its loader cannot place a 2I-wide
+    shared MLP in one I-wide slot (found by running ATOM's own load on such a checkpoint), so it is
+    refused naming the key and the way ATOM keeps them separate; V2's architecture, which ATOM does not
+    serve, keeps converting them as a separate MLP."""
+    cfg = {**load_preset(PRESET), "n_shared_experts": 2}
+    src = build_tiny(cfg, tmp_path / "src", seed=5)
+    dst = tmp_path / "dst"
+    code, out, err = run_cli(["convert", src, dst, "--target", "gfx950"], capsys)
+    assert code == 2, err
+    for s in ("model.layers.1.mlp.shared_experts", "n_shared_experts is 2", "expected at most 1",
+              "512 wide", "256 wide", "--shared-experts separate"):
+        assert s in err, (s, err)
+    assert_nothing_written(dst)
+    v2 = build_tiny("tiny-deepseek-v2", tmp_path / "v2", seed=5)
+    assert json.loads((v2 / "config.json").read_text())["n_shared_experts"] == 2
+    code, _, err = run_cli(["convert", v2, tmp_path / "v2-out", "--target", "gfx950"], capsys)
+    assert code == 0, err
+
+
 def test_source_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -122,6 +122,8 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
                 f"{routed_codec.name} MoE (moe.py:2908-2914, spec atom-parallel.md §3.3). Add --shared-experts "
                 f"separate (serve with ATOM_FUSE_SHARED_EXPERT=0), or drop --mori if mori is not installed there"
             )
+    elif s.S > 1 and s.architecture != "DeepseekV2ForCausalLM":
+        _refuse_wide_fused_shared(ctx, src_prefix)
     outs += _plan_experts(ctx, src_prefix, out_prefix, fused)
     layer_key = out_prefix.rstrip(".")
     if fused:
@@ -133,6 +135,27 @@ def _plan_layer(ctx: _Ctx, i: int, src_prefix: str, out_prefix: str, plan: Model
     else:
         plan.moe_layers[layer_key] = "no_shared_experts"
     return outs
+
+
+def _refuse_wide_fused_shared(ctx: _Ctx, src_prefix: str) -> None:
+    """More than one shared expert where ATOM would fuse them (spec §2.4): its model then makes
+    n_shared_experts slots of the routed width I, but its loader puts the whole shared MLP, I x S wide,
+    into the first (`_load_w13` narrows I/tp rows to I*S/tp and raises), so ATOM cannot load such a
+    checkpoint and there is no post-load layout to write. Fusion off (a bf16 shared expert beside
+    quantised routed ones, or --shared-experts separate under --dp-attention --mori) builds the
+    separate S x I MLP, which converts. DeepseekV2ForCausalLM (S = 2) is not served by ATOM and keeps
+    the separate layout."""
+    s = ctx.spec
+    shared_codec = ctx.fmt.codec_for(f"{src_prefix}mlp.shared_experts.gate_proj")
+    routed_codec = ctx.fmt.codec_for(f"{src_prefix}mlp.experts.0.gate_proj")
+    if shared_codec.name == routed_codec.name and ctx.par.fusion_allowed:
+        raise UnsupportedError(
+            f"{src_prefix}mlp.shared_experts: n_shared_experts is {s.S}, expected at most 1 for {s.architecture}. ATOM fuses "
+            f"the shared experts into the routed experts' kernel here (both {routed_codec.name}) and loads the whole "
+            f"shared MLP ({s.I * s.S} wide) into one expert slot {s.I} wide, which fails (moe.py _load_w13), so ATOM "
+            f"cannot load this checkpoint (spec §2.4). Check n_shared_experts in config.json; ATOM keeps a separate "
+            f"shared MLP only with --dp-attention --ep --mori --shared-experts separate (ATOM_FUSE_SHARED_EXPERT=0)"
+        )
 
 
 def _plan_mtp(ctx: _Ctx, j: int) -> ModelPlan:
