@@ -9,7 +9,9 @@ then measures, all in this one process after CUDA is initialised:
 - warm: atom_convert's pread-into-pinned pipeline (serve/transfer.py as it is), and DMA straight from
   the file's mapping registered with cudaHostRegister, in ranges of R bytes registered by T
   threads at once (unregistered when the copies are done), with and without MAP_POPULATE;
-- cold: the pread pipeline and O_DIRECT reads into pinned buffers.
+- cold: the pread pipeline and O_DIRECT reads into pinned buffers;
+- `--concurrent`: the read half and a host-to-device stream at once but not chained, each one's rate
+  beside the other's (do they contend for host memory, or does the chaining cost?).
 Each method's GPU bytes are compared with the files' on one sample per tensor.
 
     python bench/load_paths.py --workdir /tmp/lp [--files 4 --file-gb 0.5]
@@ -540,6 +542,87 @@ def pread_h2d_ceiling(files: list[Path], threads: int, chunk: int, thp: bool) ->
     return time.perf_counter() - t0
 
 
+def concurrent_halves(files: list[Path], dev: torch.device, threads: int, chunk: int) -> dict[str, float]:
+    """The pipeline's two halves at once but not chained: `threads` threads preadv the page cache into
+    pinned buffers (pread_h2d_ceiling) while one stream copies another pinned 1 GB buffer to the GPU
+    over and over. Each half's rate over the same window says whether they contend for host memory
+    (both fall) or the pipeline's chaining is what costs (their rates hold beside each other)."""
+    h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    piece, stop, moved = 256 << 20, threading.Event(), [0]
+    started = threading.Event()
+
+    def dma() -> None:
+        st = torch.cuda.Stream(dev)
+        with torch.cuda.stream(st):
+            while not stop.is_set():
+                for a in range(0, h.numel(), piece):
+                    d[a:a + piece].copy_(h[a:a + piece], non_blocking=True)
+                st.synchronize()
+                moved[0] += h.numel()
+                started.set()
+
+    t = threading.Thread(target=dma)
+    t.start()
+    started.wait()  # the DMA is running before the reads start
+    b0, t0 = moved[0], time.perf_counter()
+    sec = pread_h2d_ceiling(files, threads, chunk, False)
+    b1, t1 = moved[0], time.perf_counter()
+    stop.set()
+    t.join()
+    total = sum(p.stat().st_size for p in files)
+    return {"read_gbps": round(total / sec / GB, 2), "h2d_gbps": round((b1 - b0) / (t1 - t0) / GB, 2)}
+
+
+def traced(fn: Callable[[], Any], dev: torch.device) -> dict[str, Any]:
+    """One warm call of the loader (`fn`, a pipe/rt/mmap spec) with every chunk's read, wait and copies
+    timed: the reads and waits on the host clock, the copies by timing events recorded on the thread's
+    stream before and after them, placed on the host clock through one event recorded at the start.
+    Torch's queue only (the runtime-call queue records its own events)."""
+    from atom_convert.serve import transfer
+    rec: dict[str, list[Any]] = {"read": [], "wait": [], "copy": []}
+    read0, wait0, enq0 = transfer._read_chunk, transfer._TorchQueue.wait, transfer._TorchQueue.enqueue
+
+    def read(fd, dfd, mv, off, n, path, cached=None):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        how = read0(fd, dfd, mv, off, n, path, cached)
+        rec["read"].append((threading.get_ident(), t0, time.perf_counter(), n))
+        return how
+
+    def wait(self, slot):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        wait0(self, slot)
+        rec["wait"].append((threading.get_ident(), t0, time.perf_counter()))
+
+    def enqueue(self, slot, src, pieces):  # type: ignore[no-untyped-def]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(self.stream)
+        t0 = time.perf_counter()
+        enq0(self, slot, src, pieces)
+        b.record(self.stream)
+        rec["copy"].append((threading.get_ident(), t0, time.perf_counter(), a, b, sum(p[2] for p in pieces)))
+
+    transfer._read_chunk, transfer._TorchQueue.wait, transfer._TorchQueue.enqueue = read, wait, enqueue
+    try:
+        torch.cuda.synchronize(dev)
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+        t_ref = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        t_end = time.perf_counter()
+    finally:
+        transfer._read_chunk, transfer._TorchQueue.wait, transfer._TorchQueue.enqueue = read0, wait0, enq0
+    ids = {t: i for i, t in enumerate(sorted({r[0] for r in rec["read"]}))}
+    ms = lambda t: round((t - t_ref) * 1e3, 3)  # noqa: E731
+    out = {"wall_ms": ms(t_end),
+           "read": [(ids.get(t, -1), ms(a), ms(b), n) for t, a, b, n in rec["read"]],
+           "wait": [(ids.get(t, -1), ms(a), ms(b)) for t, a, b in rec["wait"]],
+           "copy": [(ids.get(t, -1), ms(a), ms(b), round(ref.elapsed_time(e0), 3), round(ref.elapsed_time(e1), 3), n)
+                    for t, a, b, e0, e1, n in rec["copy"]]}
+    return out
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -564,6 +647,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="the --warm list run this many times over, interleaved")
     ap.add_argument("--submit", choices=("torch", "runtime"), default=None, help="ATOM_CONVERT_LOAD_SUBMIT for "
                     "the loader's calls (the first-call children included)")
+    ap.add_argument("--concurrent", default="", help="list of THREADSxCHUNK_MB: the read half and a pinned "
+                    "host-to-device stream at once, not chained (concurrent_halves), each rate beside the other's")
+    ap.add_argument("--trace", default="", help="list of warm specs (pipe/rt/mmap) to run once more with every "
+                    "chunk's read, wait and copies timed (traced); written to --out's folder as trace-SPEC.json")
     ap.add_argument("--pools", action="store_true", help="also time pinning (torch, THP + cudaHostRegister) and a "
                     "memcpy into a THP pool")
     a = ap.parse_args()
@@ -624,6 +711,11 @@ def main() -> int:
         for c in (8, 32):
             rep[f"pread_only_{t}x{c}_torchpin"] = rate(pread_h2d_ceiling(files, t, c << 20, False))
             rep[f"pread_only_{t}x{c}_thp"] = rate(pread_h2d_ceiling(files, t, c << 20, True))
+    for spec in filter(None, a.concurrent.split(",")):
+        t, c = spec.split("x")
+        rep[f"read_alone_{spec}"] = rate(pread_h2d_ceiling(files, int(t), int(c) << 20, False))
+        rep[f"concurrent_{spec}"] = concurrent_halves(files, dev, int(t), int(c) << 20)
+        rep[f"read_alone_{spec}_again"] = rate(pread_h2d_ceiling(files, int(t), int(c) << 20, False))
     print(json.dumps(rep), flush=True)
 
     def method(spec: str) -> tuple[Callable[[], Any], dict[str, float]]:
@@ -632,17 +724,23 @@ def main() -> int:
             # a thread, copies enqueued by torch; rt16x4d3: the same through the runtime's calls; rts: its events
             # wait asleep (blocking sync) instead of spinning
             from atom_convert.serve import transfer
+            # (a trailing "noramp": every chunk full size, transfer.RAMP off)
             kind = "rts" if spec.startswith("rts") else "rt" if spec.startswith("rt") else "pipe"
-            t, _, rest = spec[len(kind):].partition("x")
+            transfer.RAMP = not spec.endswith("noramp")
+            t, _, rest = spec[len(kind):].removesuffix("noramp").partition("x")
             c, _, d = rest.partition("d")
             os.environ["ATOM_CONVERT_LOAD_DEPTH"] = d or "2"
             os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = "torch" if kind == "pipe" else "runtime"
             transfer._RuntimeQueue.blocking = kind == "rts"
             return ours(files, dev, int(t), chunk=int(c) << 20), st
+        if spec.startswith("mmap"):  # mmap16x32: the loader's mmap reader (memcpy out of the file's mapping)
+            t, _, c = spec[4:].partition("x")
+            return ours(files, dev, int(t), reader="mmap", chunk=(int(c) << 20) if c else None), st
         if spec.startswith("pread"):  # pread16, pread16thp, pread16thp8 (chunk MB), pread16nodirect
             from atom_convert.serve import transfer
             transfer.DIRECT_READS = not spec.endswith("nodirect")
             rest = spec[5:].removesuffix("nodirect")
+            transfer.RAMP = True
             thp = "thp" in rest
             t, _, c = rest.partition("thp")
             return ours(files, dev, int(t), thp=thp, chunk=(int(c) << 20) if c else None), st
@@ -689,6 +787,14 @@ def main() -> int:
         warm[spec] = {"gbps": runs, "ok": ok, **{k: round(v, 4) for k, v in st.items()}}
         print("warm", spec, warm[spec], flush=True)
     rep["warm"] = warm
+    for spec in filter(None, a.trace.split(",")):
+        fn, _ = method(spec)
+        fn()  # the pool pinned, as in a warm call
+        tr = traced(fn, dev)
+        print("trace", spec, "wall ms", tr["wall_ms"], "chunks", len(tr["read"]), flush=True)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            (a.out.parent / f"trace-{spec}.json").write_text(json.dumps(tr))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(rep, indent=1))
