@@ -248,6 +248,29 @@ def test_reference_forward_through_the_loader(converted, tiny_checkpoint):
     assert r.ok, r.failures
 
 
+@pytest.mark.parametrize("total,chunk,threads", [(2 << 30, 32 << 20, 16), (100 << 20, 32 << 20, 16),
+                                                 (3 << 30, 16 << 20, 8), (1 << 20, 32 << 20, 16)])
+def test_ramp_sizes(total, chunk, threads):
+    """Cutting `total` bytes with transfer._ramp_size: whole pages, at most `chunk`, the smallest chunks
+    at both ends, growing from the start and shrinking towards the end, the full chunk in between
+    when the load is long enough, every byte cut once."""
+    from atom_convert.serve import transfer
+
+    sizes, done = [], 0
+    while done < total:
+        n = min(transfer._ramp_size(done, total, chunk, threads), total - done)
+        sizes.append(n)
+        done += n
+    assert sum(sizes) == total
+    assert all(n % transfer.PAGE == 0 and 0 < n <= chunk for n in sizes[:-1])
+    top = sizes.index(max(sizes))
+    assert sizes[:top + 1] == sorted(sizes[:top + 1]) and sizes[top:] == sorted(sizes[top:], reverse=True)
+    assert sizes[0] == min(chunk, transfer.RAMP_MIN_BYTES, total)
+    if total >= 64 * chunk:
+        assert max(sizes) == chunk and sizes.count(chunk) * chunk > total // 2
+        assert sizes[-1] <= transfer.RAMP_MIN_BYTES
+
+
 class _FakeCuda:
     """Stand-ins for the CUDA stream/event calls of transfer.place_cuda, so that its chunking (pieces
     of many tensors per chunk, tensors spanning chunks, several files and threads) runs on a CPU."""
@@ -310,13 +333,14 @@ class _HostRuntime:
     (3, 8192, "mmap", False, 2, "torch"), (3, 8192, "pread", True, 2, "torch"), (2, 1 << 20, "pread", True, 2, "torch"),
     (3, 5000, "pread", False, 1, "torch"), (2, 4096, "pread", False, 5, "torch"),
     (3, 5000, "pread", False, 2, "runtime"), (2, 4096, "pread", False, 3, "runtime"), (3, 8192, "mmap", False, 2, "runtime"),
-    (2, 8192, "pread", True, 2, "runtime")])
+    (2, 8192, "pread", True, 2, "runtime"), (3, 1 << 16, "pread", False, 2, "torch"), (2, 1 << 16, "pread", True, 2, "runtime")])
 def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chunk, reader, cold, depth, submit):
     """The GPU path's chunk arithmetic, run on a CPU with the CUDA calls stubbed: every tensor byte-equal
     to safetensors' read, including tensors cut across chunk borders (chunk sizes not aligned). Cold:
     page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT. Depth:
     pinned buffers per thread (ATOM_CONVERT_LOAD_DEPTH); each thread's buffers are distinct ones.
-    Submit "runtime": the copies are enqueued as raw addresses (serve/runtime_calls.py), here memmoves."""
+    Submit "runtime": the copies are enqueued as raw addresses (serve/runtime_calls.py), here memmoves.
+    The ramp's smallest chunk is one page here, so chunks above it grow and shrink at the ends."""
     import mmap
     import os
 
@@ -325,6 +349,7 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
+    monkeypatch.setattr(transfer, "RAMP_MIN_BYTES", 4096)
     if cold:
         monkeypatch.setattr(transfer, "_pinned_buffer",
                             lambda index, size: torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8))

@@ -15,9 +15,10 @@ How it works (GPU, `place_cuda`):
    runtime library's own calls through ctypes (serve/runtime_calls.py): about three times the rate
    for 2-8 MB copies, the same for 32 MB ones, and no faster whole on the H100 machine, where the
    reads set the pace (BENCHMARKS.md, eighteenth round).
-   A chunk the page cache holds (mincore, asked once per file) is `preadv`ed from it; any other is
-   read with O_DIRECT straight into the pinned buffer, so a cold byte is not also copied through
-   the cache (ATOM_CONVERT_LOAD_DIRECT=0: never).
+   A chunk the page cache holds (mincore, asked by the thread about to read it) is `preadv`ed from
+   it; any other is read with O_DIRECT straight into the pinned buffer, so a cold byte is not also
+   copied through the cache (ATOM_CONVERT_LOAD_DIRECT=0: never). Chunks are small at the load's
+   start and end (`_ramp_size`).
 4. Bytes are copied as bytes: the destination is viewed as uint8, so fp8, e8m0 and fp4 are never
    converted (atom-loading.md §10 item 5).
 Readers, chosen by bench/bench_load.py and bench/load_paths.py on the H200 device machine
@@ -71,6 +72,10 @@ DEFAULT_DEPTH = 2
 # that library cannot be found).
 SUBMITTERS = ("torch", "runtime")
 DEFAULT_SUBMIT = "torch"
+# Chunks grow from RAMP_MIN_BYTES at the load's start to the chunk size and shrink again towards its
+# end (`_ramp_size`); ATOM_CONVERT_LOAD_RAMP=0: every chunk the chunk size.
+RAMP = os.environ.get("ATOM_CONVERT_LOAD_RAMP", "1") != "0"
+RAMP_MIN_BYTES = 4 << 20
 # The pread reader reads what the page cache lacks with O_DIRECT (ATOM_CONVERT_LOAD_DIRECT=0: never).
 DIRECT_READS = os.environ.get("ATOM_CONVERT_LOAD_DIRECT", "1") != "0"
 # After Ctrl-C, how long the caller waits for the copy threads to finish their chunk in hand
@@ -257,6 +262,19 @@ def _chunk_size(chunk_bytes: int | None) -> int:
     return max(PAGE, chunk // PAGE * PAGE)
 
 
+def _ramp_size(done: int, total: int, chunk: int, threads: int) -> int:
+    """The next chunk's size, `done` of `total` bytes cut so far: small at both ends of the load,
+    `chunk` in between. The pipeline's first copy cannot start before a thread has read a whole
+    chunk, and its last copies run after every read is done: with 16 threads x 32 MB that is 0.5 GB
+    read with no copy beside it and up to 0.5 GB copied with no read beside it, a third of a 2 GB
+    rank's time (BENCHMARKS.md, twenty-fifth round). Here each chunk is 2/threads of the bytes between
+    it and the nearer end (an eighth at 16 threads), at least RAMP_MIN_BYTES: the sizes grow by about 2x per
+    round of the threads from the start and shrink likewise towards the end."""
+    edge = min(done, total - done)
+    size = 2 * edge // max(threads, 1) // PAGE * PAGE
+    return min(chunk, max(RAMP_MIN_BYTES, size))
+
+
 def _open_direct(path: Path) -> int | None:
     """A second descriptor of `path` with O_DIRECT (reads that bypass the page cache), or None where
     the file system refuses it (tmpfs) or the platform has none."""
@@ -292,32 +310,45 @@ def _mincore() -> Any:
 
 
 class Residency:
-    """Which of a file's pages sit in the page cache, asked once per load: mincore(2) on a read-only
-    mapping of it, which faults nothing in and starts no read (a non-blocking read, RWF_NOWAIT,
-    starts readahead of what it could not return, so the disk would be read twice). A page evicted
-    or cached after the question only changes which read is used, never the bytes."""
+    """Whether a chunk's pages sit in the page cache, asked by the thread about to read it: mincore(2)
+    on a read-only mapping of the file, which faults nothing in and starts no read (a non-blocking
+    read, RWF_NOWAIT, starts readahead of what it could not return, so the disk would be read twice).
+    Asked per chunk, not once per file before the load: mincore walks the cache page by page, and for
+    a whole 2 GB rank on the calling thread that was 18 ms before the first read began, a fifth of a
+    warm load on the device machine (BENCHMARKS.md, twenty-fifth round); per chunk it is spread over
+    the threads, beside the others' reads. A page evicted or cached after the question only changes
+    which read is used, never the bytes."""
 
     def __init__(self, fd: int, size: int):
-        self.pages: bytes | None = None
+        self.map: mmap.mmap | None = None
+        self.base = 0
         lib = _mincore()
         if lib is None or size == 0:
             return
         import numpy as np
 
-        fn, ctypes = lib
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        try:
-            vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
-            if fn(np.frombuffer(mm, dtype=np.uint8).ctypes.data, size, vec) == 0:
-                self.pages = bytes(vec).translate(_RESIDENT_BIT)  # bit 0: the page is resident
-        finally:
-            mm.close()
+        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        self.base = np.frombuffer(self.map, dtype=np.uint8).ctypes.data
+        self.size = size
 
     def cached(self, off: int, n: int) -> bool | None:
-        """All of bytes [off, off + n) in the page cache when asked (None: unknown)."""
-        if self.pages is None:
+        """All of bytes [off, off + n) in the page cache now (None: unknown)."""
+        if self.map is None:
             return None
-        return b"\x00" not in self.pages[off // PAGE:(off + n + PAGE - 1) // PAGE]
+        fn, ctypes = _mincore()
+        first = off // PAGE * PAGE
+        span = min(off + n, self.size) - first
+        if span <= 0:
+            return None
+        vec = (ctypes.c_ubyte * ((span + PAGE - 1) // PAGE))()
+        if fn(self.base + first, span, vec) != 0:
+            return None
+        return b"\x00" not in bytes(vec).translate(_RESIDENT_BIT)  # bit 0: the page is resident
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+            self.map = None
 
 
 def _read_chunk(fd: int, dfd: int | None, mv: memoryview, off: int, n: int, path: Path,
@@ -427,7 +458,6 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 chunk_bytes: int | None, reader: str | None = None, submit: str | None = None) -> str:
     import numpy as np  # here, not at import time: only this GPU path needs it
 
-    threads = threads or _env_count("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS)
     chunk = _chunk_size(chunk_bytes)
     depth = _depth()
     reader = reader or os.environ.get("ATOM_CONVERT_LOAD_READER", DEFAULT_READER)
@@ -441,6 +471,8 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
         log.debug("load: no runtime library found in the process; copies are enqueued by torch")
     # Destinations first, so that no allocation waits behind a copy.
     jobs: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, offset, length, pieces
+    ranges: list[tuple[Path, int, int, list[tuple[torch.Tensor, int, int]]]] = []  # file, data lo, hi, spans
+    threads = threads or _env_count("ATOM_CONVERT_LOAD_THREADS", DEFAULT_THREADS)
     for fr in reads:
         located = fr.located()
         if not located:
@@ -453,10 +485,14 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                 s.tensor = s.given
             spans.append((_as_bytes(s.tensor), off, off + s.nbytes))
         # chunks start on page boundaries (a registered range must cover whole pages)
-        lo, hi = spans[0][1] // PAGE * PAGE, max(e for _, _, e in spans)
-        i = 0
-        for a in range(lo, hi, chunk):
-            b = min(a + chunk, hi)
+        ranges.append((fr.path, spans[0][1] // PAGE * PAGE, max(e for _, _, e in spans), spans))
+    total = sum(hi - lo for _, lo, hi, _ in ranges)
+    done = 0  # bytes of all files cut so far: where the ramp stands
+    for path, lo, hi, spans in ranges:
+        i, a = 0, lo
+        while a < hi:
+            b = min(a + (_ramp_size(done, total, chunk, threads) if RAMP else chunk), hi)
+            done += b - a
             pieces = []
             while i < len(spans) and spans[i][2] <= a:
                 i += 1
@@ -468,7 +504,8 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
                     pieces.append((dst[x0 - s0:x1 - s0], x0 - a, x1 - x0))
                 j += 1
             if pieces:
-                jobs.append((fr.path, a, b - a, pieces))
+                jobs.append((path, a, b - a, pieces))
+            a = b
     if not jobs:
         return reader
     threads = max(1, min(threads, len(jobs)))
@@ -580,6 +617,8 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
             for mm, arr in maps.values():
                 del arr
             maps.clear()
+            for r in resident.values():
+                r.close()
             for fd in [*fds.values(), *(d for d in dfds.values() if d is not None)]:
                 os.close(fd)
     if errors:
