@@ -724,10 +724,10 @@ def main() -> int:
             # a thread, copies enqueued by torch; rt16x4d3: the same through the runtime's calls; rts: its events
             # wait asleep (blocking sync) instead of spinning
             from atom_convert.serve import transfer
-            # (a trailing "noramp": every chunk full size, transfer.RAMP off)
+            # (a trailing "ramp" / "noramp": transfer.RAMP on / off, chunks small at the load's ends or not)
             kind = "rts" if spec.startswith("rts") else "rt" if spec.startswith("rt") else "pipe"
-            transfer.RAMP = not spec.endswith("noramp")
-            t, _, rest = spec[len(kind):].removesuffix("noramp").partition("x")
+            transfer.RAMP = spec.endswith("ramp") and not spec.endswith("noramp")
+            t, _, rest = spec[len(kind):].removesuffix("noramp").removesuffix("ramp").partition("x")
             c, _, d = rest.partition("d")
             os.environ["ATOM_CONVERT_LOAD_DEPTH"] = d or "2"
             os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = "torch" if kind == "pipe" else "runtime"
@@ -740,7 +740,7 @@ def main() -> int:
             from atom_convert.serve import transfer
             transfer.DIRECT_READS = not spec.endswith("nodirect")
             rest = spec[5:].removesuffix("nodirect")
-            transfer.RAMP = True
+            transfer.RAMP = False
             thp = "thp" in rest
             t, _, c = rest.partition("thp")
             return ours(files, dev, int(t), thp=thp, chunk=(int(c) << 20) if c else None), st

@@ -340,7 +340,8 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
     page-aligned buffers and the files dropped from the page cache, so chunks come by O_DIRECT. Depth:
     pinned buffers per thread (ATOM_CONVERT_LOAD_DEPTH); each thread's buffers are distinct ones.
     Submit "runtime": the copies are enqueued as raw addresses (serve/runtime_calls.py), here memmoves.
-    The ramp's smallest chunk is one page here, so chunks above it grow and shrink at the ends."""
+    The ramp is on (ATOM_CONVERT_LOAD_RAMP=1) and its smallest chunk one page, so chunks above it grow
+    and shrink at the ends."""
     import mmap
     import os
 
@@ -349,6 +350,7 @@ def test_chunked_pipeline_places_every_byte(converted, monkeypatch, threads, chu
 
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
+    monkeypatch.setattr(transfer, "RAMP", True)
     monkeypatch.setattr(transfer, "RAMP_MIN_BYTES", 4096)
     if cold:
         monkeypatch.setattr(transfer, "_pinned_buffer",

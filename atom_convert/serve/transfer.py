@@ -17,8 +17,7 @@ How it works (GPU, `place_cuda`):
    reads set the pace (BENCHMARKS.md, eighteenth round).
    A chunk the page cache holds (mincore, asked by the thread about to read it) is `preadv`ed from
    it; any other is read with O_DIRECT straight into the pinned buffer, so a cold byte is not also
-   copied through the cache (ATOM_CONVERT_LOAD_DIRECT=0: never). Chunks are small at the load's
-   start and end (`_ramp_size`).
+   copied through the cache (ATOM_CONVERT_LOAD_DIRECT=0: never).
 4. Bytes are copied as bytes: the destination is viewed as uint8, so fp8, e8m0 and fp4 are never
    converted (atom-loading.md §10 item 5).
 Readers, chosen by bench/bench_load.py and bench/load_paths.py on the H200 device machine
@@ -72,9 +71,10 @@ DEFAULT_DEPTH = 2
 # that library cannot be found).
 SUBMITTERS = ("torch", "runtime")
 DEFAULT_SUBMIT = "torch"
-# Chunks grow from RAMP_MIN_BYTES at the load's start to the chunk size and shrink again towards its
-# end (`_ramp_size`); ATOM_CONVERT_LOAD_RAMP=0: every chunk the chunk size.
-RAMP = os.environ.get("ATOM_CONVERT_LOAD_RAMP", "1") != "0"
+# ATOM_CONVERT_LOAD_RAMP=1: chunks grow from RAMP_MIN_BYTES at the load's start to the chunk size and
+# shrink again towards its end (`_ramp_size`). Off by default: in the one sitting that compared them
+# (H200, before residency was asked per chunk) it loaded no faster (BENCHMARKS.md, twenty-fifth round).
+RAMP = os.environ.get("ATOM_CONVERT_LOAD_RAMP", "0") == "1"
 RAMP_MIN_BYTES = 4 << 20
 # The pread reader reads what the page cache lacks with O_DIRECT (ATOM_CONVERT_LOAD_DIRECT=0: never).
 DIRECT_READS = os.environ.get("ATOM_CONVERT_LOAD_DIRECT", "1") != "0"
