@@ -263,13 +263,13 @@ def _chunk_size(chunk_bytes: int | None) -> int:
 
 
 def _ramp_size(done: int, total: int, chunk: int, threads: int) -> int:
-    """The next chunk's size, `done` of `total` bytes cut so far: small at both ends of the load,
-    `chunk` in between. The pipeline's first copy cannot start before a thread has read a whole
-    chunk, and its last copies run after every read is done: with 16 threads x 32 MB that is 0.5 GB
-    read with no copy beside it and up to 0.5 GB copied with no read beside it, a third of a 2 GB
-    rank's time (BENCHMARKS.md, twenty-fifth round). Here each chunk is 2/threads of the bytes between
-    it and the nearer end (an eighth at 16 threads), at least RAMP_MIN_BYTES: the sizes grow by about 2x per
-    round of the threads from the start and shrink likewise towards the end."""
+    """The next chunk's size under RAMP, `done` of `total` bytes cut so far: small at both ends of the
+    load, `chunk` in between. The idea: the pipeline's first copy cannot start before a thread has read
+    a whole chunk, and its last copies run after every read is done (with 16 threads x 32 MB, up to
+    0.5 GB each way with nothing beside it). Each chunk is 2/threads of the bytes between it and the
+    nearer end (an eighth at 16 threads), at least RAMP_MIN_BYTES: the sizes grow by about 2x per round
+    of the threads from the start and shrink likewise towards the end. Measured, it started the first
+    copy 7 ms sooner but loaded no faster (more chunks to enqueue; BENCHMARKS.md, twenty-fifth round)."""
     edge = min(done, total - done)
     size = 2 * edge // max(threads, 1) // PAGE * PAGE
     return min(chunk, max(RAMP_MIN_BYTES, size))
@@ -314,8 +314,8 @@ class Residency:
     on a read-only mapping of the file, which faults nothing in and starts no read (a non-blocking
     read, RWF_NOWAIT, starts readahead of what it could not return, so the disk would be read twice).
     Asked per chunk, not once per file before the load: mincore walks the cache page by page, and for
-    a whole 2 GB rank on the calling thread that was 18 ms before the first read began, a fifth of a
-    warm load on the device machine (BENCHMARKS.md, twenty-fifth round); per chunk it is spread over
+    a whole 2 GB rank on the calling thread that was 18 ms before the first read began, a quarter of
+    a warm load on the device machine (BENCHMARKS.md, twenty-fifth round); per chunk it is spread over
     the threads, beside the others' reads. A page evicted or cached after the question only changes
     which read is used, never the bytes."""
 
