@@ -48,6 +48,9 @@ class UnsupportedError(BadInputError):
     """A valid checkpoint that atom-convert (or ATOM) does not support."""
 
 
+_ESCAPED = {c: chr(c).encode("unicode_escape").decode() for c in (*range(32), 127)}
+
+
 class CheckpointError(BadInputError):
     """The source checkpoint is incomplete, truncated or inconsistent.
 
@@ -58,7 +61,8 @@ class CheckpointError(BadInputError):
     def __init__(self, problems: list[str] | str, hint: str | None = None):
         if isinstance(problems, str):
             problems = [problems]
-        self.problems = list(problems)
+        # one line each: a control character a name carries (a tensor named "a\nb") is shown escaped
+        self.problems = [p.translate(_ESCAPED) for p in problems]
         shown = self.problems[:20]
         text = "\n".join(f"  - {p}" for p in shown)
         if len(self.problems) > len(shown):

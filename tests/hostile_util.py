@@ -17,11 +17,36 @@ import hashlib
 import io
 import os
 import stat
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from atom_convert.cli import main
+
+
+def mkfifo_fed_later(path: Path, after: float = 20.0) -> None:
+    """Make `path` a FIFO. Opening a FIFO to read it blocks until a writer comes: should the code
+    under test wait there, a writer comes after `after` seconds and feeds it bytes that are no valid
+    file, so that the test fails on its message instead of hanging the suite. (Once nothing reads
+    it, the writer's non-blocking open fails and it does nothing.)"""
+    os.mkfifo(path)
+
+    def feed() -> None:
+        time.sleep(after)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader (ENXIO), or the test's folder is gone
+            return
+        try:
+            os.write(fd, b"not what the reader expects")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=feed, name=f"fifo-feeder {path.name}", daemon=True).start()
 
 
 @dataclass

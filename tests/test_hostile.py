@@ -35,7 +35,7 @@ from atom_convert.layout.codecs.base import detect_format
 from atom_convert.files.values import ValueGuard
 from atom_convert.files.source import INDEX_NAME
 from atom_convert.synth import CONFIG_DIR, build_random, load_preset
-from hostile_util import assert_refused, run_cli, tree_digest
+from hostile_util import assert_refused, mkfifo_fed_later, run_cli, tree_digest
 
 PRESET = "tiny-deepseek-v3"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -218,7 +218,7 @@ _header_case("span-disagrees-with-shape", lambda h, v: h[v].__setitem__("shape",
              lambda v: [v, "shape", "bytes"])
 _header_case("metadata-is-a-string", lambda h, v: h.__setitem__("__metadata__", "pt"), lambda v: ["__metadata__", "a string"])
 _header_case("metadata-value-not-a-string", lambda h, v: h.__setitem__("__metadata__", {"format": 1}),
-             lambda v: ["__metadata__", "object of strings"])
+             lambda v: ["__metadata__['format'] is an integer", "expected a string"])
 
 
 @case("offsets-overlap")
@@ -329,6 +329,16 @@ def _path_name(s: Sources) -> Case:
     return Case(src, [SHARD1, f"unmapped tensor {name}"])
 
 
+@case("tensor-name-with-a-newline")
+def _newline_name(s: Sources) -> Case:
+    src = _fp8(s)
+    name = "model.layers.0.extra\nweight"
+    edit_tensors(src / SHARD1, lambda t: t.__setitem__(name, torch.randn(4, 4).to(torch.bfloat16)))
+    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].__setitem__(name, SHARD1))
+    # shown escaped, on the problem's one line
+    return Case(src, [SHARD1, "unmapped tensor model.layers.0.extra\\nweight (torch.bfloat16, [4, 4])"], max_lines=3)
+
+
 # --- index ------------------------------------------------------------------------------------------
 
 def _index_case(name: str, edit: Callable[[Any], Any], expect: list[str], max_lines: int | None = None) -> None:
@@ -368,6 +378,23 @@ def _index_not_json(s: Sources) -> Case:
     src = _fp8(s)
     replace_bytes(src / INDEX_NAME, b'{"weight_map": {')
     return Case(src, [INDEX_NAME, "not valid JSON"])
+
+
+DEEP = 100_000  # list brackets nested deeper than Python's JSON parser recurses
+
+
+def nested_deep(path: Path) -> None:
+    """`path`, a JSON object, with one more key whose value nests `DEEP` lists."""
+    text = path.read_text().rstrip()
+    assert text.endswith("}")
+    replace_bytes(path, (text[:-1] + ', "notes": ' + "[" * DEEP + "]" * DEEP + "}").encode())
+
+
+@case("index-nested-too-deeply")
+def _index_deep(s: Sources) -> Case:
+    src = _fp8(s)
+    nested_deep(src / INDEX_NAME)
+    return Case(src, [INDEX_NAME, "not valid JSON", "nested too deeply"])
 
 
 @case("index-duplicate-key")
@@ -486,6 +513,13 @@ _config_case("config-topk-group-above-groups", _set("topk_group", 5), ["topk_gro
 _config_case("config-vocab-zero", _set("vocab_size", 0), ["vocab_size", ">= 1", "got 0"])
 _config_case("config-layers-huge", _set("num_hidden_layers", 10**9), ["num_hidden_layers", "1000000000", "layer 4"])
 _config_case("config-experts-huge", _set("n_routed_experts", 10**9), ["n_routed_experts", "1000000000", "0..7"])
+# the MoE layers the config makes against the layers that hold routed experts: one line each
+_config_case("config-experts-absent", lambda c: c.pop("n_routed_experts"),
+             ["n_routed_experts is 0", "layer(s) 1, 2, 3", "model.layers.1.mlp.experts.*"])
+_config_case("config-first-dense-layers-too-many", _set("first_k_dense_replace", 10),
+             ["first_k_dense_replace 10", "layer 1 dense", "layer(s) 1, 2, 3"])
+_config_case("config-first-dense-layers-too-few", _set("first_k_dense_replace", 0),
+             ["first_k_dense_replace 0", "layer 0 a MoE layer", "model.layers.0.mlp.experts.* is absent"])
 _config_case("config-eps-string", _set("rms_norm_eps", "1e-6"), ["rms_norm_eps", "number", "'1e-6'"])
 _config_case("config-scaling-factor-nan", _set("routed_scaling_factor", float("nan")),
              ["routed_scaling_factor", "finite", "nan"])
@@ -497,6 +531,10 @@ _config_case("config-quantization-config-string", _set("quantization_config", "f
              ["quantization_config", "a string", "'fp8'", "expected an object"])
 _config_case("config-quantization-config-list", _set("quantization_config", [{"quant_method": "fp8"}]),
              ["quantization_config", "a list", "expected an object"])
+_config_case("config-quant-method-absent", lambda c: c["quantization_config"].pop("quant_method"),
+             ["quantization_config.quant_method is missing", "expected a string"])
+_config_case("config-quant-method-null", _set_q("quant_method", None),
+             ["quantization_config.quant_method is null,", "expected a string"])
 _config_case("config-quant-method-number", _set_q("quant_method", 8), ["quant_method", "an integer 8", "string"])
 _config_case("config-block-size-number", _set_q("weight_block_size", 128), ["weight_block_size=128", "[128, 128]"])
 _config_case("config-ignore-is-a-string", _set_q("ignore", "lm_head"), ["quantization_config.ignore", "'lm_head'",
@@ -512,6 +550,21 @@ def _config_not_json(s: Sources) -> Case:
     src = _fp8(s)
     replace_bytes(src / "config.json", b'{"hidden_size": 320,')
     return Case(src, ["config.json", "not valid JSON"])
+
+
+@case("config-nested-too-deeply")
+def _config_deep(s: Sources) -> Case:
+    src = _fp8(s)
+    nested_deep(src / "config.json")
+    return Case(src, ["config.json", "not valid JSON", "nested too deeply"])
+
+
+@case("config-is-a-fifo")
+def _config_fifo(s: Sources) -> Case:
+    src = _fp8(s)
+    (src / "config.json").unlink()
+    mkfifo_fed_later(src / "config.json")
+    return Case(src, ["config.json", "not a regular file"])
 
 
 @case("config-duplicate-key")

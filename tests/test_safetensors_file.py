@@ -170,7 +170,7 @@ def test_each_entry_is_checked(tmp_path: Path, entry: Any, expect: list[str]) ->
 @pytest.mark.parametrize("header,data,expect", [
     ({"a": u8(0, 4), "b": u8(6, 8)}, 8, ["bytes 4..6", "belong to no tensor", "gap before 'b'"]),
     ({"a": u8(0, 4)}, 6, ["2 bytes after the last tensor"]),
-    ({"__metadata__": {"format": 1}, "a": u8(0, 4)}, 4, ["__metadata__ is an object", "object of strings"]),
+    ({"__metadata__": {"format": 1}, "a": u8(0, 4)}, 4, ["__metadata__['format'] is an integer", "expected a string"]),
     (b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "a": {}}', 4, ["'a' appears twice"]),
     (b'{"a": ', 4, ["not valid JSON"]),
     (b"[" * 100_000, 4, ["not valid JSON"]),

@@ -107,6 +107,38 @@ def test_lock_refuses_a_foreign_file_and_a_hard_link(tmp_path: Path) -> None:
     assert v.read_text() == "" and paths.lock.exists()
 
 
+NESTED = "[" * 100_000 + "]" * 100_000  # deeper than Python's JSON parser recurses
+
+
+def test_lock_refuses_content_nested_too_deeply(tmp_path: Path) -> None:
+    """A lock file holding JSON nested deeper than the parser goes is a foreign file like any other
+    (once an internal error: the RecursionError escaped)."""
+    paths = DestPaths(tmp_path / "dst")
+    paths.lock.write_text(NESTED)
+    with pytest.raises(BadInputError, match="not an atom-convert lock") as ei:
+        DestinationLock(paths).acquire()
+    assert str(paths.lock) in str(ei.value)
+    assert paths.lock.read_text() == NESTED
+
+
+def test_journal_lines_nested_too_deeply(tmp_path: Path) -> None:
+    """A journal entry nested too deeply is a garbled line (its shard is redone); a header nested
+    too deeply makes the journal unreadable, as garbage does: refused with what to do."""
+    paths = DestPaths(tmp_path / "dst")
+    st = Staging(paths, notify=lambda m: None)
+    st.open(HEADER, PLANNED, "auto")
+    st.close()
+    journal = paths.staging / JOURNAL_NAME
+    with open(journal, "a") as f:
+        f.write(NESTED + "\n")
+    assert Staging(paths, notify=lambda m: None).open(HEADER, PLANNED, "auto") == []
+    journal.write_text(NESTED + "\n")
+    with pytest.raises(BadInputError) as ei:
+        Staging(paths, notify=lambda m: None).open(HEADER, PLANNED, "auto")
+    msg = str(ei.value)
+    assert JOURNAL_NAME in msg and "nested too deeply" in msg and "--restart" in msg, msg
+
+
 def test_lock_takes_over_a_dead_holders_file_and_releases_only_its_own(tmp_path: Path) -> None:
     paths = DestPaths(tmp_path / "dst")
     for left in ('{"pid": 999999999, "host": "gone", "since": "2020-01-01T00:00:00Z"}', ""):

@@ -25,6 +25,7 @@ from torch import nn
 
 import atom_convert
 import atom_trees as T
+from hostile_util import mkfifo_fed_later
 from atom_convert.check.inspect import describe
 from atom_convert.check.tensors import check_files
 from atom_convert.errors import BadInputError, ConvertedCheckError
@@ -128,6 +129,15 @@ def _truncated(d: Path, outside: Path) -> Case:
         f.truncate((d / rel).stat().st_size - 100)
     return Case([rel, "truncated"], {"verify": "problem", "inspect": "ok", "load_into": "refused",
                                      "open_converted": "refused"})
+
+
+@case("shard-is-a-fifo")
+def _fifo(d: Path, outside: Path) -> Case:
+    rel = shard(d)
+    (d / rel).unlink()
+    mkfifo_fed_later(d / rel)
+    return Case([rel, "not a regular file"], {"verify": "problem", "inspect": "ok", "load_into": "refused",
+                                              "open_converted": "refused"})
 
 
 @case("tensor-bytes-flipped")
@@ -234,6 +244,19 @@ def _m_type(d: Path, outside: Path) -> Case:
     name = next(iter(manifest(d)["tensors"]))
     edit_manifest(d, lambda m: m["tensors"][name].__setitem__("shape", "256x320"))
     return Case([MANIFEST_NAME, name, "shape is a string", "expected a list of integers"], error=ConvertedCheckError)
+
+
+@case("manifest-unknown-target")
+def _m_target(d: Path, outside: Path) -> Case:
+    edit_manifest(d, lambda m: m.__setitem__("target", "gfx900"))
+    return Case([MANIFEST_NAME, "target is a string 'gfx900'", "expected 'gfx950' or 'gfx942'"], error=ConvertedCheckError)
+
+
+@case("manifest-fp8-dtype-of-the-other-target")
+def _m_fp8(d: Path, outside: Path) -> Case:
+    edit_manifest(d, lambda m: m.__setitem__("fp8_dtype", "float8_e4m3fnuz"))
+    return Case([MANIFEST_NAME, "fp8_dtype is 'float8_e4m3fnuz'", "target 'gfx950' stores 'float8_e4m3fn'"],
+                error=ConvertedCheckError)
 
 
 @case("manifest-wrong-type-parallel")

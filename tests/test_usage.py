@@ -106,6 +106,12 @@ def test_demo_replaces_its_own_output_but_not_what_was_added(tmp_path: Path, tin
     before = tree(out)
     usage_error(["demo", out], capsys, "converted/my-notes.md", "pick another folder")
     assert tree(out) == before
+    # a marker nested too deeply for the parser is not the demo's: refused alike (once an internal error)
+    (out / "converted" / "my-notes.md").unlink()
+    (out / MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    before = tree(out)
+    usage_error(["demo", out], capsys, MARKER, "pick another folder")
+    assert tree(out) == before
     # an empty folder: used
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..files.reading import loads, read_regular
 from ..layout.model import ModelSpec, text_config
 from ..layout.profile import get_profile
 from .decode import decode_mla, decode_weight
@@ -90,8 +91,6 @@ class ConvertedModel:
     def __init__(self, path: str | Path, device: str = "cpu", ranks: "list[Any] | None" = None):
         """`ranks`: one reader per rank with ConvertedCheckpoint's interface (manifest, entry, get, `in`),
         e.g. `load.LoadedRank` over a module tree filled by `load_into`; default: the files themselves."""
-        import json
-
         self.path = Path(path)
         if ranks is None:
             ranks = [ConvertedCheckpoint(self.path, 0)]
@@ -100,7 +99,7 @@ class ConvertedModel:
         self.par = self.ranks[0].typed.parallel
         self.attn_ranks = range(self.par.attn_tp)  # rank r < attn_tp holds attention piece r
         # The forward names tensors natively; the profile maps them to the stored names.
-        self.config = json.loads((self.path / "config.json").read_text())
+        self.config = loads(read_regular(self.path / "config.json"))
         self.spec = ModelSpec.from_config(self.config)
         # Kimi-K2.5: ATOM's text-model names carry `language_model.` (atom-layout-next.md §3.2)
         to_profile, root = get_profile(self.ranks[0].typed.profile).tensor, self.spec.text_prefix

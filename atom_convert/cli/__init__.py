@@ -31,6 +31,7 @@ import click  # noqa: E402
 
 from ..errors import AtomConvertError, BadInputError, Interrupted, VerificationFailedError
 from ..layout.profile import PROFILES
+from ..files.reading import loads
 from ..files.targets import TARGETS
 
 
@@ -453,7 +454,7 @@ def _demo_owned(out: Path, found: set[str]) -> list[str]:
     them when the marker is not the demo's)."""
     marker = out / DEMO_MARKER
     try:
-        rec = json.loads(marker.read_text()) if marker.is_file() and not marker.is_symlink() else None
+        rec = loads(marker.read_text()) if marker.is_file() and not marker.is_symlink() else None
     except (OSError, ValueError):
         rec = None
     if not isinstance(rec, dict) or rec.get("written_by") != "atom-convert demo" \

@@ -38,6 +38,7 @@ from typing import Any, Callable
 from ..layout.options import ConversionOptions
 from .convert import convert
 from ..errors import BadInputError, HubOfflineError, NotResumableError
+from ..files.reading import loads, read_regular
 from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
 from ..hub.repo import RepoSpec, open_source, parse_repo_spec
 from ..store.manifest import MANIFEST_NAME, read_manifest
@@ -92,7 +93,7 @@ def _clear_unreplaceable(dst: Path) -> None:
 def _stale_because(record: Path, want: dict[str, Any]) -> list[str]:
     """Why the recorded entry is not the one wanted (empty: the record matches)."""
     try:
-        have = json.loads(record.read_text())
+        have = loads(read_regular(record))
         src = Fingerprint("source", have["source_parts"])
         opts = Fingerprint("options", have["options"])
     except FileNotFoundError:
@@ -179,7 +180,7 @@ def _offline_entry(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str
     record = dst.with_name(dst.name + RECORD_SUFFIX)
     _check_own(Path(cache_dir), dst, record, dst.with_name(f".{dst.name}{LOCK_SUFFIX}"))
     try:
-        have = json.loads(record.read_text())
+        have = loads(read_regular(record))
         same = (have["source"] == where.location
                 and not Fingerprint("options", have["options"]).changed(options_fingerprint(options)))
         converted = have["source_parts"]["hub"]

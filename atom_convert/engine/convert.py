@@ -52,6 +52,7 @@ from ..layout.options import ConversionOptions, parse_size
 from .planning import MTP_DIR, SetLayout, layout_shards, make_plan, planned_shards
 from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
 from .prefetch import Prefetcher
+from ..files.reading import loads, read_regular
 from ..files.safetensors import side_files
 from ..files.source import SourceCheckpoint
 from ..store.staging import (DestinationLock, Sealed, Staging, check_destination, check_replaceable, make_parents,
@@ -271,7 +272,7 @@ def _copy_side_files(src: Path, dst: Path, requant: dict[str, Any] | None = None
     for name in side_files(src):
         p = src / name
         if name == "config.json" and requant is not None:
-            cfg = json.loads(p.read_text())
+            cfg = loads(read_regular(p))
             cfg["quantization_config"] = requant["quantization_config"]
             (dst / name).write_text(json.dumps(cfg, indent=2) + "\n")
         else:

@@ -28,7 +28,6 @@ from there); a module may import sibling modules of the folder (`from .configura
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -37,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
-from ..errors import BadInputError, CheckpointError, json_kind
+from ..errors import CheckpointError, json_kind
+from .reading import (ErrorFactory, SpecialFileError, load_json, loads, no_duplicates, open_regular, os_error,
+                      read_regular)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -52,57 +53,9 @@ SIDE_SUFFIXES = (".tiktoken",)
 CODE_SUFFIX = ".py"
 CONFIG_FILES = ("config.json", "tokenizer_config.json")  # the files whose auto_map names code
 
-# error(problems, what to do) -> the exception raised for a malformed file
-ErrorFactory = Callable[[list[str], str], BadInputError]
-
-
-# ------------------------------------------------------------------------------------------------
-# JSON and OS errors
-# ------------------------------------------------------------------------------------------------
-
-
 def is_count(v: Any) -> bool:
     """A JSON integer >= 0 (safetensors' usize); JSON true/false are not integers."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def no_duplicates(where: str, error: ErrorFactory = CheckpointError,
-                  hint: str = "Remove the duplicate (the file is damaged or hand-edited).") -> Any:
-    """json object_pairs_hook: Python keeps the last of two equal keys silently; a header or
-    config with one key twice is ambiguous (which tensor is meant?), so it is refused."""
-
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise error([f"{where}: key {k!r} appears twice in one JSON object; which one is meant is "
-                             f"ambiguous"], hint)
-            out[k] = v
-        return out
-
-    return hook
-
-
-def os_error(path: Path, e: OSError) -> BadInputError:
-    """An OSError met reading `path` as a BadInputError that says what to do."""
-    if isinstance(e, PermissionError):
-        return BadInputError(f"{path}: permission denied while reading it; make it readable by this user "
-                             f"(e.g. chmod a+r) or run as its owner")
-    if isinstance(e, IsADirectoryError):
-        return BadInputError(f"{path}: is a directory, expected a file")
-    return BadInputError(f"{path}: cannot be read ({e.strerror or e}); check the file and the disk")
-
-
-def load_json(path: Path, what: str) -> Any:
-    """Parse a JSON file of SRC, refusing duplicate keys; errors name the file."""
-    try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise os_error(path, e) from None
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates(str(path)))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,7 +83,7 @@ def header_bytes(path: Path) -> tuple[int, bytes]:
     """(file size, the first bytes of the file): the 8-byte length and, when the length is within
     `MAX_HEADER` and the file, the JSON header after it. Nothing is judged (a file shorter than 8
     bytes gives what it holds); OSError when the file cannot be read."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or device: refused, never waited on
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) == 8:
@@ -163,8 +116,14 @@ def validate_entries(name: str, header: dict[str, Any], data_size: int) -> list[
 
     problems = []
     meta = header.get("__metadata__")
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+    if meta is not None and not isinstance(meta, dict):
         problems.append(f"{name}: __metadata__ is {json_kind(meta)}, expected an object of strings")
+    elif meta is not None:
+        bad = [k for k, v in meta.items() if not isinstance(v, str)]
+        if bad:
+            problems.append(f"{name}: __metadata__[{bad[0]!r}] is {json_kind(meta[bad[0]])}, expected a string "
+                            f"(__metadata__ maps strings to strings)" + (f"; {len(bad) - 1} more key(s) alike"
+                                                                          if len(bad) > 1 else ""))
     spans: list[tuple[int, int, str]] = []
     for tensor, entry in header.items():
         if tensor == "__metadata__":
@@ -224,6 +183,9 @@ def read_header(path: Path, *, name: str | None = None, fix: str = FIX_SOURCE,
         size, raw = header_bytes(path)
     except FileNotFoundError:
         raise error([f"{name}: does not exist"], fix) from None
+    except SpecialFileError:
+        raise error([f"{name}: is not a regular file (a device, FIFO or socket), expected a safetensors file"],
+                    fix) from None
     except OSError as e:
         raise os_error(path, e) from None
     n = check_length(raw, size, name, fix, error)
@@ -231,11 +193,9 @@ def read_header(path: Path, *, name: str | None = None, fix: str = FIX_SOURCE,
         raise error([f"{name}: truncated or not a safetensors file: header length {n} bytes, file size "
                      f"{len(raw)} bytes"], fix)
     try:
-        header = json.loads(raw[8:], object_pairs_hook=no_duplicates(f"{name}: safetensors header", error))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        header = loads(raw[8:], object_pairs_hook=no_duplicates(f"{name}: safetensors header", error))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise error([f"{name}: safetensors header is not valid JSON ({e})"], fix) from None
-    except RecursionError:
-        raise error([f"{name}: safetensors header is not valid JSON (nested too deeply)"], fix) from None
     if not isinstance(header, dict):
         raise error([f"{name}: safetensors header is {json_kind(header)}, expected a JSON object "
                      f"(tensor name -> dtype, shape, data_offsets)"], fix)
@@ -464,8 +424,8 @@ def select_side_files(folder: Path) -> SideFiles:
         if cfg_name not in names:
             continue
         try:
-            cfg = json.loads((folder / cfg_name).read_bytes())
-        except (OSError, ValueError, RecursionError):
+            cfg = loads(read_regular(folder / cfg_name))
+        except (OSError, ValueError):
             continue  # its reader reports it (SourceCheckpoint: config.json)
         for f, where in auto_map_modules(cfg).items():
             auto_map.setdefault(f, f"{cfg_name} {where}")

@@ -25,8 +25,8 @@ import torch
 from ..errors import BadInputError, CheckpointError, ConfigError, json_kind
 from .dtypes import DTYPE_FROM_ST
 from .values import ValueGuard
-from .safetensors import (INDEX_NAME, SINGLE_NAME, check_length, check_member, load_json, os_error, read_header,
-                          side_files, weight_files)
+from .reading import load_json, open_regular, os_error
+from .safetensors import INDEX_NAME, SINGLE_NAME, check_length, check_member, read_header, side_files, weight_files
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "TensorInfo", "load_json", "read_safetensors_header"]
 
@@ -65,7 +65,7 @@ class _MappedFile:
 
     def __init__(self, path: Path):
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)
         except OSError as e:
             raise os_error(path, e) from None
         try:

@@ -30,7 +30,6 @@ How it works:
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import re
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 
 from ..errors import BadInputError, CheckpointError, HubOfflineError
 from ..store.manifest import sha256_file
+from ..files.reading import loads, os_error, read_regular
 from ..files.safetensors import SIDE_FILES, SIDE_SUFFIXES, auto_map_modules
 from ..files.source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 
@@ -134,7 +134,9 @@ class RemoteFile:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = loads(read_regular(path))
+    except OSError as e:
+        raise os_error(path, e) from None
     except ValueError as e:
         raise BadInputError(f"{what}: not valid JSON ({e})") from None
     if not isinstance(data, dict):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import BadInputError
+from ..files.reading import loads
 
 Notify = Callable[[str], None]
 
@@ -43,8 +44,8 @@ def _is_lock_record(data: bytes) -> bool:
     if not data:
         return True
     try:
-        info = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        info = loads(data)
+    except ValueError:  # UnicodeDecodeError is one
         return False
     return (isinstance(info, dict) and set(info) <= _RECORD_KEYS and isinstance(info.get("pid"), int)
             and all(isinstance(info.get(k, ""), str) for k in ("host", "since")))
@@ -135,7 +136,7 @@ class FileLock:
     @staticmethod
     def _holder(fd: int) -> str:
         try:
-            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            info = loads(os.pread(fd, 4096, 0) or b"{}")
         except (ValueError, OSError):
             return "holder unknown"
         if not isinstance(info, dict) or "pid" not in info:

@@ -38,7 +38,7 @@ from .._version import __version__
 from ..errors import ConvertedCheckError
 from ..layout.parallel import REPLICATED, ParallelLayout, Split
 from ..files.dtypes import FP8_DTYPE_BY_TARGET, dtype_name
-from ..files.safetensors import no_duplicates
+from ..files.reading import loads, no_duplicates, read_regular
 from . import digest
 from .lock import refuse_foreign
 from .manifest_checks import (_FIX_AGAIN, _FIX_PATHS, FORMAT_VERSION, READABLE_VERSIONS,  # noqa: F401 (re-exported)
@@ -333,15 +333,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{directory}: no {MANIFEST_NAME}; this is not a finished atom-convert output (the manifest is written last)"
         )
     try:
-        text = p.read_bytes()
+        text = read_regular(p)
     except OSError as e:
         raise ConvertedCheckError(f"{p}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
     try:
-        m = json.loads(text, object_pairs_hook=no_duplicates(str(p), converted_error, _FIX_AGAIN))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        m = loads(text, object_pairs_hook=no_duplicates(str(p), converted_error, _FIX_AGAIN))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise ConvertedCheckError(f"{p}: not valid JSON ({e}); {_FIX_AGAIN}") from None
-    except RecursionError:
-        raise ConvertedCheckError(f"{p}: not valid JSON (nested too deeply); {_FIX_AGAIN}") from None
     check_manifest(p, m, directory)
     return m
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..layout.parallel import REPLICATED, Parallel, ParallelLayout, Split
 from ..errors import BadInputError, ConvertedCheckError, json_kind
-from ..files.dtypes import ST_DTYPE, dtype_from_name
+from ..files.dtypes import FP8_DTYPE_BY_TARGET, ST_DTYPE, dtype_from_name, dtype_name
+from ..files.targets import TARGETS
 from . import digest
 
 if TYPE_CHECKING:
@@ -289,8 +290,11 @@ def check_manifest(p: Path, m: Any, directory: Path) -> None:
     version = _check_version(p, m)
     c = _Checker()
     c.field(m, "", "tool_version", _is_str, "a string")
-    c.field(m, "", "target", _is_str, "a target such as 'gfx950'")
-    c.field(m, "", "fp8_dtype", _is_str, "a dtype name")
+    target_ok = c.field(m, "", "target", lambda v: v in TARGETS, " or ".join(map(repr, TARGETS)))
+    if c.field(m, "", "fp8_dtype", _is_str, "a dtype name") and target_ok:
+        want = dtype_name(FP8_DTYPE_BY_TARGET[m["target"]])
+        if m["fp8_dtype"] != want:
+            c.problems.append(f"fp8_dtype is {m['fp8_dtype']!r}, but target {m['target']!r} stores {want!r}")
     tp_ok = c.field(m, "", "tp_size", lambda v: _is_int(v, 1), "an integer >= 1")
     c.field(m, "", "role", _is_str, "'main' or 'mtp'", required=False)
     if c.field(m, "", "layout", lambda v: isinstance(v, dict), "an object (atom_revision, profile, flags)"):

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import BadInputError, DestinationExistsError, NotResumableError
+from ..files.reading import loads
 from ..files.safetensors import is_side_name
 from .fingerprint import Fingerprint
 # FileLock: also imported from here (engine/cache.py)
@@ -301,7 +302,7 @@ def _entries_of(lines: list[str]) -> list[Sealed]:
     entries = []
     for line in lines:
         try:
-            d = json.loads(line)
+            d = loads(line)
             algorithm, hexdigest = digest.entry_digest(d)
             entries.append(Sealed(str(d["sealed"]), int(d["bytes"]), hexdigest, str(d["plan"]), algorithm))
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -313,7 +314,7 @@ def _read_journal(path: Path) -> tuple[dict[str, Any], list[Sealed]]:
     """(header, sealed entries). A torn or garbled line is skipped: its shard is simply redone."""
     lines = _journal_lines(path)
     try:
-        header = json.loads(lines[0])
+        header = loads(lines[0])
         if not isinstance(header, dict) or header.get("journal") != JOURNAL_VERSION:
             raise ValueError(f"journal version {header.get('journal') if isinstance(header, dict) else header!r}")
     except ValueError as e:

@@ -194,7 +194,13 @@ def _dequant_whole(ctx: _Ctx, codec: LinearCodec, module: str, rank: int, cache:
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _few(items: list[int], n: int = 4) -> str:
+    """'1, 2, 3' or '1, 2, 3, 4 and 5 more'."""
+    shown = ", ".join(map(str, items[:n]))
+    return shown if len(items) <= n else f"{shown} and {len(items) - n} more"
 
 
 def _first_absent(have: set[int]) -> int:
@@ -209,7 +215,7 @@ def _check_counts(src: SourceCheckpoint, spec: ModelSpec, root: str = "") -> Non
     per-tensor check: a wrong count is one line naming the key, not one line per missing
     tensor (and a count like 1e9 is refused at once instead of being iterated)."""
     where = src.path / "config.json"
-    layers, experts = set(), set()
+    layers, experts, expert_layers = set(), set(), set()
     for name in src.names():
         if root:  # the text model's tensors only (Kimi-K2.5: language_model.*); others are the loader's extras
             if not name.startswith(root):
@@ -218,7 +224,8 @@ def _check_counts(src: SourceCheckpoint, spec: ModelSpec, root: str = "") -> Non
         if m := _LAYER_RE.match(name):
             layers.add(int(m.group(1)))
         if m := _EXPERT_RE.match(name):
-            experts.add(int(m.group(1)))
+            expert_layers.add(int(m.group(1)))
+            experts.add(int(m.group(2)))
     have = {i for i in layers if i < spec.n_layers}
     if len(have) < spec.n_layers:
         first = _first_absent(have)
@@ -226,6 +233,26 @@ def _check_counts(src: SourceCheckpoint, spec: ModelSpec, root: str = "") -> Non
                           f"layer {first} ({spec.n_layers - len(have)} of the {spec.n_layers} layers have none: "
                           f"{root}model.layers.{first}.* is absent)",
                           hint="Fix num_hidden_layers, or download the shards that hold the missing layers.")
+    # Which layers are MoE (spec §2.3), against the layers that hold routed experts: one line for a
+    # wrong n_routed_experts / first_k_dense_replace / moe_layer_freq, not one per tensor of each layer.
+    span = range(spec.n_layers + spec.n_mtp)
+    dense = sorted(i for i in expert_layers if i in span and not spec.is_moe_layer(i))
+    if dense:
+        why = (f"n_routed_experts is {spec.E} (a missing or null key reads as 0: no MoE layer)" if not spec.E else
+               f"first_k_dense_replace {spec.first_k_dense} and moe_layer_freq {spec.moe_layer_freq} make layer "
+               f"{dense[0]} dense")
+        raise ConfigError(f"{where}: {why}, but the checkpoint holds routed experts in layer(s) {_few(dense)} "
+                          f"({root}model.layers.{dense[0]}.mlp.experts.*)",
+                          hint="Fix n_routed_experts, first_k_dense_replace or moe_layer_freq in config.json to "
+                               "match the checkpoint, or re-download it.")
+    bare = sorted(i for i in layers if i in span and spec.is_moe_layer(i) and i not in expert_layers)
+    if bare and expert_layers:  # no expert anywhere: the count check below names n_routed_experts
+        raise ConfigError(f"{where}: first_k_dense_replace {spec.first_k_dense} and moe_layer_freq "
+                          f"{spec.moe_layer_freq} make layer {bare[0]} a MoE layer, but the checkpoint holds no "
+                          f"routed expert of layer(s) {_few(bare)} ({root}model.layers.{bare[0]}.mlp.experts.* is "
+                          f"absent)",
+                          hint="Fix first_k_dense_replace or moe_layer_freq in config.json to match the checkpoint, "
+                               "or download the shards that hold those layers' experts.")
     have_e = {e for e in experts if e < spec.E}
     if spec.E and len(have_e) < spec.E and spec.E > max(experts, default=-1) + 1:
         raise ConfigError(f"{where}: n_routed_experts is {spec.E}, but the checkpoint holds experts "

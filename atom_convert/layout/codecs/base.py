@@ -113,8 +113,11 @@ def detect_format(config: dict[str, Any], where: str = "config.json") -> SourceF
         raise ConfigError(f"{where}: quantization_config is {json_kind(qcfg)} {_clip(qcfg)}, expected an object "
                           f"(with quant_method) or no quantization_config for bf16")
     if qcfg and not isinstance(qcfg.get("quant_method"), str):
-        raise ConfigError(f"{where}: quantization_config.quant_method is {json_kind(qcfg.get('quant_method'))} "
-                          f"{_clip(qcfg.get('quant_method'))}, expected a string such as 'fp8' or 'quark'")
+        method = qcfg.get("quant_method")
+        found = ("missing" if "quant_method" not in qcfg else "null" if method is None
+                 else f"{json_kind(method)} {_clip(method)}")
+        raise ConfigError(f"{where}: quantization_config.quant_method is {found}, expected a string such as 'fp8' "
+                          f"or 'quark'")
     for cls in _FORMATS.values():
         if cls.matches(qcfg):
             return cls(config)
