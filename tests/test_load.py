@@ -630,10 +630,10 @@ def test_a_bad_load_setting_is_named(converted, monkeypatch, var, value, says):
     d = converted("tiny-deepseek-v3", "fp8", "gfx950", tp=2)
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
     monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: pytest.fail("a buffer was asked for"))
-    monkeypatch.setattr(transfer.os, "open", lambda *a, **k: pytest.fail("a file was opened"))
     monkeypatch.setenv(var, value)
     view = rank_view(d, 0)
     name, r = next(iter(view.tensors.items()))
     reads = [FileRead(d / r.file, read_header(d / r.file), [TensorSlot(name, r.dtype, r.shape)])]
+    monkeypatch.setattr(transfer.os, "open", lambda *a, **k: pytest.fail("a file was opened"))  # by the load itself
     with pytest.raises(BadInputError, match=says):
         transfer._place_cuda(reads, torch.device("cpu"), threads=None, chunk_bytes=None)
