@@ -535,6 +535,8 @@ _config_case("config-quant-method-absent", lambda c: c["quantization_config"].po
              ["quantization_config.quant_method is missing", "expected a string"])
 _config_case("config-quant-method-null", _set_q("quant_method", None),
              ["quantization_config.quant_method is null,", "expected a string"])
+_config_case("config-activation-scheme-static", _set_q("activation_scheme", "static"),
+             ["activation_scheme='static'", "input_scale", "'dynamic'"])
 _config_case("config-quant-method-number", _set_q("quant_method", 8), ["quant_method", "an integer 8", "string"])
 _config_case("config-block-size-number", _set_q("weight_block_size", 128), ["weight_block_size=128", "[128, 128]"])
 _config_case("config-ignore-is-a-string", _set_q("ignore", "lm_head"), ["quantization_config.ignore", "'lm_head'",

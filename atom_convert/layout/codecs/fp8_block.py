@@ -199,6 +199,17 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
                 f"config.json: fp8 quantization_config with fmt={fmt!r}, weight_block_size={bs!r} is not supported; "
                 f"atom-convert reads DeepSeek's fp8 format (fmt 'e4m3', weight_block_size [128, 128])"
             )
+        # ATOM's quant_spec reads activation_scheme 'static' (or is_dynamic false) as activations scaled by
+        # per-tensor input_scale tensors loaded from the checkpoint; DeepSeek's block fp8 has none.
+        scheme, dynamic = qcfg.get("activation_scheme"), qcfg.get("is_dynamic", True)
+        if not (scheme is None or (isinstance(scheme, str) and scheme.lower() == "dynamic")) or dynamic is not True:
+            raise UnsupportedError(
+                f"config.json: fp8 quantization_config with activation_scheme={scheme!r}"
+                + (f", is_dynamic={dynamic!r}" if dynamic is not True else "") + " is not supported: ATOM then "
+                f"scales activations by input_scale tensors loaded from the checkpoint, which DeepSeek's fp8 format "
+                f"does not have; atom-convert reads activation_scheme 'dynamic' (or none), as DeepSeek's releases "
+                f"write it"
+            )
         return True
 
     def codec_for(self, module: str) -> LinearCodec:
