@@ -320,23 +320,20 @@ def _twice(s: Sources) -> Case:
     return Case(src, [name, "stored twice", SHARD1, SHARD2])
 
 
-@case("tensor-name-with-path-characters")
-def _path_name(s: Sources) -> Case:
-    src = _fp8(s)
-    name = "../../etc/passwd"
-    edit_tensors(src / SHARD1, lambda t: t.__setitem__(name, torch.randn(4, 4).to(torch.bfloat16)))
-    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].__setitem__(name, SHARD1))
-    return Case(src, [SHARD1, f"unmapped tensor {name}"])
+def _odd_name_case(case_name: str, name: str, shown: str, max_lines: int | None = None) -> None:
+    """An extra tensor `name` in SHARD1 (and the index): refused as unmapped, the name shown as `shown`."""
+    @case(case_name)
+    def make(s: Sources) -> Case:
+        src = _fp8(s)
+        edit_tensors(src / SHARD1, lambda t: t.__setitem__(name, torch.randn(4, 4).to(torch.bfloat16)))
+        edit_json(src / INDEX_NAME, lambda d: d["weight_map"].__setitem__(name, SHARD1))
+        return Case(src, [SHARD1, f"unmapped tensor {shown} (torch.bfloat16, [4, 4])"], max_lines=max_lines)
 
 
-@case("tensor-name-with-a-newline")
-def _newline_name(s: Sources) -> Case:
-    src = _fp8(s)
-    name = "model.layers.0.extra\nweight"
-    edit_tensors(src / SHARD1, lambda t: t.__setitem__(name, torch.randn(4, 4).to(torch.bfloat16)))
-    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].__setitem__(name, SHARD1))
-    # shown escaped, on the problem's one line
-    return Case(src, [SHARD1, "unmapped tensor model.layers.0.extra\\nweight (torch.bfloat16, [4, 4])"], max_lines=3)
+_odd_name_case("tensor-name-with-path-characters", "../../etc/passwd", "../../etc/passwd")
+# a control character is shown escaped, on the problem's one line
+_odd_name_case("tensor-name-with-a-newline", "model.layers.0.extra\nweight", "model.layers.0.extra\\nweight",
+               max_lines=3)
 
 
 # --- index ------------------------------------------------------------------------------------------
