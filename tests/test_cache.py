@@ -128,12 +128,14 @@ def test_current_found_from_headers_only(src: Path, tmp_path: Path, monkeypatch)
     dst = ensure_converted(src, cache_dir, target="gfx950", tp=1)
     assert calls == [1] and check_files(dst).ok
     # current: found again without converting, also when every tensor byte of the source is gone
-    # (the files keep their size and header): the fingerprint reads headers, never tensor data
+    # (the files keep their size, header and modification time): the fingerprint reads headers and
+    # the stamps stat the files, never reading tensor data
     for f in src.glob("*.safetensors"):
-        raw = f.read_bytes()
+        raw, st = f.read_bytes(), f.stat()
         n = int.from_bytes(raw[:8], "little")
         f.write_bytes(raw[:8 + n])
         os.truncate(f, len(raw))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert ensure_converted(src, cache_dir, target="gfx950", tp=1) == dst
     assert calls == [1]
     # other options: another directory, converted
@@ -160,6 +162,46 @@ def test_stale_cache_rebuilt(src: Path, tmp_path: Path, monkeypatch) -> None:
     next(dst.glob("*.safetensors")).unlink()
     ensure_converted(src, cache_dir)
     assert calls == [1, 1, 1] and check_files(dst).ok
+
+
+def test_source_rewritten_in_place_is_converted_again(src: Path, tmp_path: Path, monkeypatch) -> None:
+    """A source file rewritten in place (same size and header, other tensor bytes) is seen by its
+    modification time: the entry is converted again, never served stale; so is a partial conversion
+    of it, which is started over instead of resumed."""
+    cache_dir = tmp_path / "cache"
+    calls = _counting(monkeypatch)
+    dst = ensure_converted(src, cache_dir)
+    f = src / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    a, b = json.loads(raw[8:8 + n])["lm_head.weight"]["data_offsets"]
+    raw[8 + n + a:8 + n + b] = b"\x20\x40" * ((b - a) // 2)  # every bf16 value 2.5
+    st = f.stat()
+    f.write_bytes(bytes(raw))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert ensure_converted(src, cache_dir) == dst and calls == [1, 1]
+    with atom_convert.open_converted(dst) as ck:
+        assert set(ck.get("lm_head.weight").float().flatten().tolist()) == {2.5}
+    assert ensure_converted(src, cache_dir) == dst and calls == [1, 1]  # current again
+
+
+def test_a_partial_conversion_of_a_rewritten_source_is_not_resumed(src: Path, tmp_path: Path, monkeypatch) -> None:
+    dst = tmp_path / "dst"
+
+    def interrupted(path: Path, manifest: dict) -> None:  # every shard sealed, then Ctrl-C
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["atom_convert.engine.convert"], "write_manifest", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            atom_convert.convert(src, dst)
+    staging = tmp_path / f".{dst.name}.atom-partial"
+    journal_src = json.loads((staging / ".atom-journal.jsonl").read_text().splitlines()[0])["source"]["parts"]
+    assert any(k.endswith("(size, modification time)") for k in journal_src)
+    f = src / "model.safetensors"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000_000))
+    with pytest.raises(atom_convert.errors.NotResumableError, match=r"model.safetensors \(size, modification time\)"):
+        atom_convert.convert(src, dst, resume="resume")
 
 
 def test_fetch_step_used_before_converting(src: Path, tmp_path: Path, monkeypatch) -> None:
@@ -352,6 +394,39 @@ def test_entry_whose_manifest_was_deleted_is_rebuilt(src: Path, tmp_path: Path, 
     (dst / "atom_manifest.json").unlink()
     assert ensure_converted(src, cache_dir) == dst
     assert calls == [1, 1] and check_files(dst).ok
+
+
+@pytest.mark.parametrize("manifest", ["deleted", "kept"])
+def test_entry_holding_a_file_of_someone_else_is_refused_not_deleted(manifest: str, src: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """A stale entry is replaced only when all it holds is what atom-convert writes: a file put into
+    it by hand makes ensure_converted refuse, naming it, and the file stays."""
+    cache_dir = tmp_path / "cache"
+    dst = ensure_converted(src, cache_dir)
+    (dst / "user-notes.txt").write_text("mine")
+    if manifest == "deleted":
+        (dst / "atom_manifest.json").unlink()
+    else:  # the record stale instead: the source changed
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(dict(cfg, rms_norm_eps=1e-5)))
+    with pytest.raises(atom_convert.BadInputError, match="user-notes.txt") as ei:
+        ensure_converted(src, cache_dir)
+    assert "did not write" in str(ei.value)
+    assert (dst / "user-notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("edit", [lambda r: r.__setitem__("source_parts", "abc"),
+                                  lambda r: r.__setitem__("options", [1, 2]),
+                                  lambda r: r.__setitem__("source_stamps", 5)], ids=["parts", "options", "stamps"])
+def test_record_with_wrong_types_is_stale(edit, src: Path, tmp_path: Path, monkeypatch) -> None:
+    cache_dir = tmp_path / "cache"
+    calls = _counting(monkeypatch)
+    dst = ensure_converted(src, cache_dir)
+    record = dst.with_name(dst.name + ".cache.json")
+    r = json.loads(record.read_text())
+    edit(r)
+    record.write_text(json.dumps(r))
+    assert ensure_converted(src, cache_dir) == dst and calls == [1, 1]
 
 
 def test_cache_dir_that_is_a_file_is_refused(src: Path, tmp_path: Path) -> None:

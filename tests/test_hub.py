@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -308,6 +309,34 @@ def test_upload_with_model_card(hub: FakeHub, hub_converted: Path) -> None:
     puts = len(hub.lfs_puts)
     atom_convert.upload(hub_converted, repo)
     assert len(hub.lfs_puts) == puts
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda v: v.__setitem__("rows", "all good"), "rows is a string, expected a list"),
+    (lambda v: v["rows"][0].pop("rel_l2"), "rows[0].rel_l2 is missing, expected a number"),
+    (lambda v: v["rows"][0].__setitem__("cosine", "1.0"), "rows[0].cosine is a string '1.0', expected a number"),
+], ids=["rows-string", "row-missing-key", "row-string-number"])
+def test_upload_refuses_a_malformed_verify_result(hub: FakeHub, hub_converted: Path, tmp_path: Path, edit,
+                                                  says: str) -> None:
+    """The card shows the saved verify result: one that is not what verify --json writes is bad input
+    naming the row and key (once a KeyError, an internal error), refused before anything is sent."""
+    d = tmp_path / "conv"
+    shutil.copytree(hub_converted, d)
+    v = json.loads((d / "atom_verify.json").read_text())
+    edit(v)
+    (d / "atom_verify.json").write_text(json.dumps(v))
+    with pytest.raises(atom_convert.BadInputError, match=re.escape(says)):
+        atom_convert.upload(d, "my-org/malformed-verify", dry_run=True)
+
+
+def test_upload_without_the_hub_is_bad_input(hub: FakeHub, hub_converted: Path, monkeypatch) -> None:
+    """Offline (or the Hub unreachable): a BadInputError saying what to check, not an internal error."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(atom_convert.BadInputError, match="the Hub cannot be reached") as ei:
+        atom_convert.upload(hub_converted, "my-org/offline")
+    assert "HF_HUB_OFFLINE" in str(ei.value)
 
 
 def test_upload_resumes_after_an_interrupted_commit(hub: FakeHub, hub_converted: Path) -> None:

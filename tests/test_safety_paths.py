@@ -288,6 +288,24 @@ def test_resume_and_restart_refuse_foreign_files_and_symlinks(tmp_path: Path, mo
     assert sorted(files_under(paths.staging)) == [JOURNAL_NAME]
 
 
+def test_force_replaces_an_earlier_conversion_only_without_files_of_someone_else(
+        src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--force replaces an earlier conversion, but not one that also holds a file atom-convert did not
+    write (it would be deleted): refused naming it, everything kept. The verify result the README has
+    users save into DST is the tool's."""
+    dst = tmp_path / "dst"
+    atom_convert.convert(src, dst)
+    (dst / "atom_verify.json").write_text("{}")
+    (dst / "notes.md").write_text("mine")
+    before = files_under(dst)
+    code, _, err = run_cli(["convert", src, dst, "--force"], capsys)
+    assert code == 2 and "notes.md" in err and "did not write" in err and "atom_verify.json" not in err, err
+    assert files_under(dst) == before and not staging_of(dst).exists()
+    (dst / "notes.md").unlink()
+    code, _, err = run_cli(["convert", src, dst, "--force"], capsys)
+    assert code == 0, err
+
+
 def test_commit_never_replaces_what_appeared_at_dst(tmp_path: Path) -> None:
     """Something not an atom-convert output appeared at DST during the conversion: the commit
     refuses (it was moved aside and deleted with the replaced DST)."""

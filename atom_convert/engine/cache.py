@@ -35,14 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..layout.options import ConversionOptions
+from ..layout.options import ConversionOptions, check_count, check_flag, check_path
 from .convert import convert
 from ..errors import BadInputError, HubOfflineError, NotResumableError
 from ..files.reading import loads, read_regular
-from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
+from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint, source_stamps
 from ..hub.repo import RepoSpec, open_source, parse_repo_spec
 from ..store.manifest import MANIFEST_NAME, read_manifest
-from ..store.staging import DestinationLock, DestPaths, FileLock, check_replace_target, replace_file
+from ..store.staging import (DestinationLock, DestPaths, FileLock, check_replace_target, foreign_in_output,
+                             refuse_foreign_output, replace_file)
 
 log = logging.getLogger("atom_convert")
 
@@ -83,9 +84,13 @@ def _check_own(cache_dir: Path, dst: Path, record: Path, lock: Path) -> None:
 
 def _clear_unreplaceable(dst: Path) -> None:
     """A stale entry that `convert(force=True)` would not replace (its manifest deleted, or no
-    regular file) is removed first: it is this cache's own directory (`_check_own`)."""
+    regular file) is removed first: it is this cache's own directory (`_check_own`), but only when
+    everything in it is what atom-convert writes (a file put there by hand is refused, not deleted)."""
     m = dst / MANIFEST_NAME
     if dst.is_dir() and not (m.is_file() and not m.is_symlink()) and any(dst.iterdir()):
+        foreign = foreign_in_output(dst)
+        if foreign:
+            raise refuse_foreign_output(dst, foreign, "the cache entry")
         log.info("atom-convert cache: %s has no usable %s; removing it before converting again", dst, MANIFEST_NAME)
         shutil.rmtree(dst)
 
@@ -94,14 +99,21 @@ def _stale_because(record: Path, want: dict[str, Any]) -> list[str]:
     """Why the recorded entry is not the one wanted (empty: the record matches)."""
     try:
         have = loads(read_regular(record))
-        src = Fingerprint("source", have["source_parts"])
-        opts = Fingerprint("options", have["options"])
+        src = Fingerprint.from_dict({"kind": "source", "parts": have["source_parts"]})
+        opts = Fingerprint.from_dict({"kind": "options", "parts": have["options"]})
+        stamps = have.get("source_stamps")
+        if "source_stamps" in want and not isinstance(stamps, dict):
+            raise ValueError("no source_stamps")
     except FileNotFoundError:
         return ["not converted yet"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return [f"its record {record.name} is unreadable"]
     why = [f"source {p} changed" for p in src.changed(Fingerprint("source", want["source_parts"]))]
     why += [f"option {p} differs" for p in opts.changed(Fingerprint("options", want["options"]))]
+    if not why and "source_stamps" in want:  # rewritten in place: same headers, other bytes maybe
+        why += [f"source {n} was modified since it was converted (its size or modification time changed)"
+                for n in sorted(set(want["source_stamps"]) | set(stamps or {}))
+                if want["source_stamps"].get(n) != (stamps or {}).get(n)]
     return why
 
 
@@ -168,6 +180,8 @@ def cache_path(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *
     fp, convert_from = _fingerprint(src, where)
     want = {"source": where.location, "convert_from": convert_from, "source_digest": fp.digest,
             "source_parts": dict(fp.parts), "options_digest": ofp.digest, "options": dict(ofp.parts)}
+    if where.spec is None:  # a folder: its files' sizes and times too (a Hub source is pinned to a commit)
+        want["source_stamps"] = source_stamps(src, fp)
     return _entry(cache_dir, where, opts), want
 
 
@@ -253,7 +267,14 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, mla_bmm=mla_bmm,
                                    profile=profile, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
                                    mori=mori)
-    cache_dir = Path(cache_dir)
+    check_path("src", src)
+    cache_dir = check_path("cache_dir", cache_dir)
+    check_flag("progress", progress)
+    if workers is not None:
+        check_count("workers", workers)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise BadInputError(f"timeout must be a number of seconds >= 0 (or None: as long as it takes), got {timeout!r}")
     try:
         dst, want = cache_path(src, cache_dir, options=opts)
     except HubOfflineError as e:
@@ -266,6 +287,11 @@ def ensure_converted(src: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     src = want["convert_from"]  # a Hub repo: pinned to the commit the key was taken from
     if hub_cache is not None and fetch is None:
         fetch = _hub_fetch(src, hub_cache, opts)
+    if Path(src).is_dir():  # before anything is created: never a folder inside the source
+        rs, rc = Path(src).resolve(), Path(os.path.abspath(cache_dir)).resolve()
+        if rc == rs or rs in rc.parents:
+            raise BadInputError(f"cache_dir {cache_dir} ({rc}) lies inside the source checkpoint {rs}; give a "
+                                "cache_dir outside SRC")
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):

@@ -45,10 +45,10 @@ from ..layout import buffers
 from . import procs
 from . import workers as workers_mod
 from ..errors import BadInputError, Interrupted
-from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint
+from ..store.fingerprint import Fingerprint, options_fingerprint, source_fingerprint, source_stamps
 from ..store import digest
 from ..store.manifest import MANIFEST_NAME, WrittenFile, build_manifest, write_manifest
-from ..layout.options import ConversionOptions, parse_size
+from ..layout.options import ConversionOptions, check_count, check_flag, check_path, parse_size
 from .planning import MTP_DIR, SetLayout, layout_shards, make_plan, planned_shards
 from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
 from .prefetch import Prefetcher
@@ -352,12 +352,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     opts = ConversionOptions.build(options, target=target, tp=tp, shard_size=shard_size, mtp=mtp, profile=profile,
                                    mla_bmm=mla_bmm, ep=ep, dp_attention=dp_attention, shared_experts=shared_experts,
                                    mori=mori, quantize=quantize)
+    for name, path in (("src", src), ("dst", dst)):
+        check_path(name, path)
+    for name, flag in (("force", force), ("progress", progress), ("wait", wait), ("allow_nonfinite", allow_nonfinite)):
+        check_flag(name, flag)
+    if notify is not None and not callable(notify):
+        raise BadInputError(f"notify must be a callable taking one str (or None), got {notify!r}")
     note = notify or log.info
     if resume not in RESUME_MODES:
         raise BadInputError(f"resume={resume!r}; choose one of {', '.join(RESUME_MODES)}")
-    workers = workers_mod.usable_cores() if workers is None else workers
-    if workers < 1:
-        raise BadInputError(f"workers must be >= 1, got {workers}")
+    workers = workers_mod.usable_cores() if workers is None else check_count("workers", workers)
     if worker_mode not in WORKER_MODES:
         raise BadInputError(f"worker_mode={worker_mode!r}; choose one of {', '.join(WORKER_MODES)}")
     if worker_mode == "process" and not procs.available():
@@ -383,8 +387,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         record = conversion_record(source, opts)
         planned = planned_shards(main, mtp_layout)
         # A Hub source is content-addressed by its commit (its shards may not be downloaded yet).
-        source_fp = (Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"}) if source.hub
-                     else source_fingerprint(source.path))
+        if source.hub:
+            source_fp = Fingerprint("source", {"hub": f"{source.hub['repo_id']}@{source.hub['commit']}"})
+        else:  # a folder: with its files' sizes and times, so a file rewritten in place is not resumed over
+            fp = source_fingerprint(source.path)
+            source_fp = Fingerprint("source", {**fp.parts, **{f"{n} (size, modification time)": s
+                                                               for n, s in source_stamps(source.path, fp).items()}})
         header = {"source": source_fp.as_dict(),
                   "options": options_fingerprint(opts).as_dict(),
                   "plan": plan_digest(planned)}

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..errors import BadInputError, ConvertedCheckError
-from ..store.manifest import MANIFEST_NAME
+from ..errors import BadInputError, ConvertedCheckError, json_kind
+from ..layout.options import check_path
+from ..store.manifest import MANIFEST_NAME, VERIFY_NAME
 
 
-from .repo import CARD_NAME, VERIFY_NAME, _read_json, parse_repo_spec
+from .repo import CARD_NAME, _read_json, parse_repo_spec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,46 @@ def card_metadata(manifest: dict[str, Any], base_model: str | None) -> dict[str,
     if base_model:
         meta["base_model"] = base_model
     return meta
+
+
+_VERIFY_NUMBERS = ("rel_l2", "cosine", "max_abs")
+
+
+def check_verify_result(result: Any, where: str) -> dict[str, Any]:
+    """A saved `atom-convert verify --json` result, as the card shows it: an object whose `rows` are
+    objects with `what` and numbers (`top1` optional); BadInputError naming the row and key else."""
+    fix = "; save it again with atom-convert verify DST --source SRC --json > DST/" + VERIFY_NAME
+    if not isinstance(result, dict):
+        raise BadInputError(f"{where}: is {json_kind(result)}, expected the JSON object verify --json writes{fix}")
+    rows = result.get("rows", [])
+    if not isinstance(rows, list):
+        raise BadInputError(f"{where}: rows is {json_kind(rows)}, expected a list{fix}")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise BadInputError(f"{where}: rows[{i}] is {json_kind(row)}, expected an object{fix}")
+        bad = [k for k in _VERIFY_NUMBERS if not number(row.get(k))] + (["top1"] if "top1" in row and not number(
+            row["top1"]) else []) + ([] if isinstance(row.get("what"), str) else ["what"])
+        if bad:
+            k = bad[0]
+            found = "missing" if k not in row else "null" if row[k] is None else f"{json_kind(row[k])} {row[k]!r}"
+            raise BadInputError(f"{where}: rows[{i}].{k} is {found}, expected {'a string' if k == 'what' else 'a number'}"
+                                f"{fix}")
+    return result
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a Hub call raises when the Hub cannot be reached (offline mode included): OSError
+    and ConnectionError, and the transport errors of the HTTP client huggingface_hub uses."""
+    import importlib
+
+    out: list[type[BaseException]] = [OSError]
+    for mod, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        try:
+            out.append(getattr(importlib.import_module(mod), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
 
 
 def _verify_table(result: dict[str, Any]) -> str:
@@ -201,7 +242,7 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
     from ..check.tensors import check_files
     from ..store.manifest import read_manifest
 
-    dst = Path(dst)
+    dst = check_path("dst", dst)
     if parse_repo_spec(repo_id) is None or "@" in repo_id:
         raise BadInputError(f"REPO_ID {repo_id!r}: expected org/name (a branch goes in --revision)")
     if create_pr and revision not in (None, "main"):
@@ -215,7 +256,8 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
     manifest = read_manifest(dst)
     has_verify = _published_files(dst, sorted(manifest["files"]) + [MANIFEST_NAME])
     base = base_model or (manifest["source"].get("hub") or {}).get("repo_id")
-    verify = _read_json(dst / VERIFY_NAME, str(dst / VERIFY_NAME)) if has_verify else None
+    verify = (check_verify_result(_read_json(dst / VERIFY_NAME, str(dst / VERIFY_NAME)), str(dst / VERIFY_NAME))
+              if has_verify else None)
     card = model_card(manifest, repo_id=repo_id, base_model=base, verify=verify)
     names = sorted(manifest["files"]) + [MANIFEST_NAME] + ([VERIFY_NAME] if verify else [])
     files = [(n, (dst / n).stat().st_size) for n in names] + [(CARD_NAME, len(card.encode()))]
@@ -247,6 +289,10 @@ def upload(dst: str | Path, repo_id: str, *, private: bool = False, revision: st
                                 "write access to this namespace (or run `hf auth login`)") from None
         raise BadInputError(f"{repo_id}: upload failed: {e}; re-run the same command to resume "
                             "(files the Hub already holds are skipped)") from None
+    except _network_errors() as e:  # offline mode, no route to the Hub, a reset connection
+        raise BadInputError(f"{repo_id}: the Hub cannot be reached ({type(e).__name__}: {e}); check the network, "
+                            "HF_ENDPOINT and HF_HUB_OFFLINE (uploading needs the Hub), then re-run the same command "
+                            "to resume") from None
     result.commit_url = card_info.commit_url
     result.pr_url = info.pr_url or card_info.pr_url
     return result

@@ -47,7 +47,6 @@ from ..files.source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 
 log = logging.getLogger(__name__)
 
-VERIFY_NAME = "atom_verify.json"  # `atom-convert verify DST --json > DST/atom_verify.json`: shown on the card
 CARD_NAME = "README.md"
 DOWNLOAD_WORKERS = 4  # shards downloaded at once; the Hub serves each connection at a few hundred MB/s
 

@@ -13,7 +13,9 @@ saying "the same conversion" all derive from it:
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, UnsupportedError
@@ -39,7 +41,7 @@ def parse_size(text: str | int) -> int:
         if t.endswith(u):
             try:
                 return int(float(t[: -len(u)]) * m)
-            except ValueError:
+            except (ValueError, OverflowError):  # "infGB", "1e400GB"
                 break
     try:
         return int(t)
@@ -50,6 +52,27 @@ def parse_size(text: str | int) -> int:
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise BadInputError(f"{name} must be True or False, got {value!r}")
+
+
+# The Python API's other arguments, checked before anything is created or read: a wrong type is bad
+# input named by its argument, not a TypeError from deep inside.
+check_flag = _flag
+
+
+def check_path(name: str, value: Any) -> Path:
+    """A str or os.PathLike of str as a Path."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise BadInputError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__} {value!r}")
+    return Path(value)
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> int:
+    """A whole number >= `minimum` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadInputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -101,6 +124,9 @@ class ConversionOptions:
     def build(cls, options: "ConversionOptions | None" = None, **given: Any) -> "ConversionOptions":
         """`options` as given, or one made from keyword values (those left None take the defaults).
         Both at once is refused unless the keywords equal the value's fields."""
+        if options is not None and not isinstance(options, cls):
+            raise BadInputError(f"options must be a ConversionOptions (atom_convert.layout.options), got "
+                                f"{type(options).__name__} {options!r}; or give its fields as keywords")
         given = {k: v for k, v in given.items() if v is not None}
         if options is None:
             return cls(**given)

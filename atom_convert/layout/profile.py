@@ -55,5 +55,5 @@ PROFILES: dict[str, NamingProfile] = {
 def get_profile(name: str) -> NamingProfile:
     try:
         return PROFILES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value, e.g. a list
         raise BadInputError(f"unknown runtime profile {name!r}; available: {', '.join(PROFILES)}") from None

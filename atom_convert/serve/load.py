@@ -39,6 +39,7 @@ from ..errors import BadInputError
 from ..files.dtypes import ST_DTYPE, dtype_from_name
 from ..store.manifest import MANIFEST_NAME, Manifest
 from ..layout.postload import registered_shapes
+from ..layout.options import check_count, check_path
 from ..layout.profile import get_profile
 from .transfer import FileRead, TensorSlot, place_cpu, place_cuda, read_header
 
@@ -290,9 +291,28 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         >>> stats = atom_convert.load_into(model, "DeepSeek-V3-atom", rank=3, device="cuda:3", target="gfx950")
     """
     t0 = time.perf_counter()
-    dev = torch.device(device)
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"load_into: model must be a torch.nn.Module (the runtime's module tree), got "
+                            f"{type(model).__name__}")
+    check_path("path", path)
+    check_count("rank", rank, minimum=0)
+    for name, value in (("flags", flags), ("parallel", parallel)):
+        if value is not None and not isinstance(value, Mapping):
+            raise BadInputError(f"load_into: {name} must be a mapping of key -> value (or None), got {value!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise BadInputError(f"load_into: device {device!r} is not a torch device ({e}); give e.g. 'cpu' or "
+                            f"'cuda:0'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(f"load_into: device {device!r}, but this torch has no usable CUDA or ROCm GPU "
+                            f"(torch {torch.__version__}); load onto 'cpu', or install the torch build for the GPU")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+        raise BadInputError(f"load_into: device {device!r}, but this process sees {torch.cuda.device_count()} GPU(s); "
+                            f"give cuda:0 .. cuda:{torch.cuda.device_count() - 1} (CUDA_VISIBLE_DEVICES / "
+                            f"HIP_VISIBLE_DEVICES decide which)")
     prof = get_profile(profile)
     view = rank_view(path, rank)
     diffs = manifest_differences(view, target=target, flags=flags, parallel=parallel, atom_revision=atom_revision)

@@ -11,8 +11,10 @@ How it works:
    the side files copied into DST (tokenizer, generation config, the Python files that
    `auto_map` loads with trust_remote_code: their bytes). Tensor data
    is NOT read: hashing a 1 TB checkpoint would take longer than many conversions. So an
-   edit that rewrites tensor bytes in place, keeping every header and size, is not seen;
-   re-downloads and re-exports change sizes or headers and are seen.
+   edit that rewrites tensor bytes in place, keeping every header and size, is not seen by
+   the fingerprint; re-downloads and re-exports change sizes or headers and are seen. Where a
+   stale output would be served or resumed (ensure_converted's cache, a resume), the files'
+   sizes and modification times (`source_stamps`) are compared as well.
 2. `options_fingerprint(...)`: every option that changes output bytes (target, tp, shard
    size, MTP, the MLA operand format, the naming profile, the parallel mode: ep,
    dp_attention, shared_experts, mori) plus the tool version and the
@@ -140,6 +142,24 @@ def source_fingerprint(src: str | os.PathLike[str]) -> Fingerprint:
         for name in sorted([*side.names, *side.refused]):
             parts[name] = "refused" if name in side.refused else _sha((root / name).read_bytes())
     return Fingerprint("source", parts)
+
+
+def source_stamps(src: str | os.PathLike[str], fp: Fingerprint) -> dict[str, str]:
+    """'size:mtime_ns' of every safetensors file of `fp` (a `source_fingerprint` of `src`; the other
+    files are hashed whole there): what a cache and a resume compare to tell a file rewritten in
+    place, whose tensor bytes the fingerprint does not cover (a copy that does not keep modification
+    times makes them differ too: the cost is a conversion more, never a stale one). Not part of the
+    fingerprint, which stays a content key."""
+    out = {}
+    for name, part in fp.parts.items():
+        if not name.endswith(".safetensors") or part in ("missing", "directory") or part.startswith("refused"):
+            continue
+        try:
+            st = (Path(src) / name).stat()
+        except OSError:
+            continue
+        out[name] = f"{st.st_size}:{st.st_mtime_ns}"
+    return out
 
 
 def options_fingerprint(options: "ConversionOptions") -> Fingerprint:

@@ -298,6 +298,9 @@ def build_manifest(plan: "ConversionPlan", mplan: "ModelPlan", src: "SourceCheck
     return manifest
 
 
+VERIFY_NAME = "atom_verify.json"  # `atom-convert verify DST --json > DST/atom_verify.json`: shown on the Hub card
+
+
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     """Write `path` (in the staging directory the tool made) through `path.tmp`, fsynced and
     renamed; the temporary file is created exclusively, never through a symlink at its name."""

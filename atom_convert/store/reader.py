@@ -10,7 +10,6 @@ reads (its own file, or a common file every rank maps; spec atom-parallel.md §3
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -19,6 +18,7 @@ from safetensors import safe_open
 from ..errors import ConvertedCheckError
 from ..files import safetensors as safetensors_file
 from ..files.dtypes import ST_DTYPE, dtype_from_name
+from ..layout.options import check_count, check_path
 from .manifest import MANIFEST_NAME, Manifest, converted_error
 
 _FIX = "The converted directory is damaged or was edited: convert again (atom-convert convert SRC DST --force)"
@@ -28,7 +28,8 @@ class ConvertedCheckpoint:
     """One rank's view of a converted directory (or of its `mtp/` set)."""
 
     def __init__(self, path: str | os.PathLike[str], rank: int = 0):
-        self.path = Path(path)
+        self.path = check_path("path", path)
+        check_count("rank", rank, minimum=0)
         self.typed = Manifest.read(self.path)
         self.manifest: dict[str, Any] = self.typed.raw  # the JSON form (version 1 upgraded)
         world = self.typed.parallel.world

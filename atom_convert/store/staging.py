@@ -53,7 +53,7 @@ from .fingerprint import Fingerprint
 # FileLock: also imported from here (engine/cache.py)
 from .lock import FileLock, ForeignPathError, Notify, kind_of, open_nofollow, refuse_foreign
 from . import digest
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, VERIFY_NAME
 
 STAGING_SUFFIX = ".atom-partial"
 LOCK_SUFFIX = ".atom-lock"
@@ -154,6 +154,20 @@ def _is_conversion_or_empty(d: Path) -> bool:
     return (d / MANIFEST_NAME).is_file() or not any(d.iterdir())
 
 
+def foreign_in_output(d: Path) -> list[str]:
+    """What an existing output directory `d` holds that atom-convert did not write (never followed
+    through a symlink): anything but shards, manifests, side files, the `mtp/` set and the verify
+    result the README puts there. Replacing `d` would delete it, so a replacement is refused."""
+    return _owned(d, lambda rel: own_name(rel) or rel == VERIFY_NAME).foreign
+
+
+def refuse_foreign_output(d: Path, foreign: list[str], what: str) -> BadInputError:
+    shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 5 else "")
+    return BadInputError(f"{what} {d} is an atom-convert output, but it also holds what atom-convert did not write: "
+                         f"{shown}; replacing it would delete that. Move it out of {d} (or remove {d} yourself if "
+                         f"it is expendable), then run again")
+
+
 def check_replaceable(dst: Path, force: bool) -> None:
     """Refuse an existing DST unless `force` and it is an earlier conversion or empty."""
     if not os.path.lexists(dst):
@@ -165,6 +179,10 @@ def check_replaceable(dst: Path, force: bool) -> None:
         raise DestinationExistsError(
             f"destination {dst} already exists; pass --force (force=True) to replace it (only an earlier "
             f"atom-convert output, a directory with {MANIFEST_NAME}, or an empty directory is replaced)")
+    if (dst / MANIFEST_NAME).is_file():
+        foreign = foreign_in_output(dst)
+        if foreign:
+            raise refuse_foreign_output(dst, foreign, "destination")
     if not _is_conversion_or_empty(dst):
         names = sorted(p.name for p in dst.iterdir())
         shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
