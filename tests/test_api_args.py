@@ -128,6 +128,14 @@ def test_open_converted_arguments(conv: Path, kw: dict[str, Any], says: str) -> 
         atom_convert.open_converted(args["path"], rank=args["rank"])
 
 
+def test_a_numpy_integer_rank_is_a_rank(conv: Path) -> None:
+    """A runtime may hand over its rank as a numpy integer: taken as the whole number it is."""
+    import numpy as np
+
+    with atom_convert.open_converted(conv, rank=np.int64(0)) as ck:
+        assert ck.rank == 0 and type(ck.rank) is int
+
+
 def test_options_value_is_still_taken_as_given(src: Path, tmp_path: Path) -> None:
     m = atom_convert.convert(src, tmp_path / "dst", options=ConversionOptions(target="gfx942"))
     assert m["target"] == "gfx942"

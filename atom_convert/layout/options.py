@@ -13,6 +13,7 @@ saying "the same conversion" all derive from it:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +70,11 @@ def check_path(name: str, value: Any) -> Path:
 
 
 def check_count(name: str, value: Any, minimum: int = 1) -> int:
-    """A whole number >= `minimum` (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """A whole number >= `minimum` as an int: any integral type (a numpy integer a runtime hands over
+    too), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise BadInputError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 @dataclass(frozen=True)

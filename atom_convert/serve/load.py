@@ -295,7 +295,7 @@ def load_into(model: nn.Module, path: str | os.PathLike[str], *, rank: int, devi
         raise BadInputError(f"load_into: model must be a torch.nn.Module (the runtime's module tree), got "
                             f"{type(model).__name__}")
     check_path("path", path)
-    check_count("rank", rank, minimum=0)
+    rank = check_count("rank", rank, minimum=0)
     for name, value in (("flags", flags), ("parallel", parallel)):
         if value is not None and not isinstance(value, Mapping):
             raise BadInputError(f"load_into: {name} must be a mapping of key -> value (or None), got {value!r}")

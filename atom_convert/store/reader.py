@@ -29,7 +29,7 @@ class ConvertedCheckpoint:
 
     def __init__(self, path: str | os.PathLike[str], rank: int = 0):
         self.path = check_path("path", path)
-        check_count("rank", rank, minimum=0)
+        rank = check_count("rank", rank, minimum=0)
         self.typed = Manifest.read(self.path)
         self.manifest: dict[str, Any] = self.typed.raw  # the JSON form (version 1 upgraded)
         world = self.typed.parallel.world
