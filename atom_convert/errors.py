@@ -19,6 +19,17 @@ def json_kind(v: Any) -> str:
             float: "a number"}.get(type(v), type(v).__name__)
 
 
+def json_found(obj: dict[str, Any], key: str, n: int = 80) -> str:
+    """What `obj[key]` is, for a message: 'missing', 'null', or its kind and value ('a string 'x'')."""
+    if key not in obj:
+        return "missing"
+    v = obj[key]
+    if v is None:
+        return "null"
+    r = repr(v)
+    return f"{json_kind(v)} {r if len(r) <= n else r[: n - 3] + '...'}"
+
+
 def _rebuild(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> Exception:
     e = cls.__new__(cls)
     Exception.__init__(e, *args)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..errors import BadInputError, ConvertedCheckError, json_kind
+from ..errors import BadInputError, ConvertedCheckError, json_found, json_kind
 from ..layout.options import check_path
 from ..store.manifest import MANIFEST_NAME, VERIFY_NAME
 
@@ -76,18 +76,18 @@ def check_verify_result(result: Any, where: str) -> dict[str, Any]:
             row["top1"]) else []) + ([] if isinstance(row.get("what"), str) else ["what"])
         if bad:
             k = bad[0]
-            found = "missing" if k not in row else "null" if row[k] is None else f"{json_kind(row[k])} {row[k]!r}"
-            raise BadInputError(f"{where}: rows[{i}].{k} is {found}, expected {'a string' if k == 'what' else 'a number'}"
-                                f"{fix}")
+            raise BadInputError(f"{where}: rows[{i}].{k} is {json_found(row, k)}, expected "
+                                f"{'a string' if k == 'what' else 'a number'}{fix}")
     return result
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions a Hub call raises when the Hub cannot be reached (offline mode included): OSError
-    and ConnectionError, and the transport errors of the HTTP client huggingface_hub uses."""
+    """The exceptions a Hub call raises when the Hub cannot be reached (offline mode included):
+    ConnectionError and TimeoutError, and the transport errors of the HTTP client huggingface_hub
+    uses (not every OSError: a shard that cannot be read is another matter, said as such)."""
     import importlib
 
-    out: list[type[BaseException]] = [OSError]
+    out: list[type[BaseException]] = [ConnectionError, TimeoutError]
     for mod, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
         try:
             out.append(getattr(importlib.import_module(mod), name))

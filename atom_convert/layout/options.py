@@ -50,14 +50,13 @@ def parse_size(text: str | int) -> int:
         raise BadInputError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB") from None
 
 
-def _flag(name: str, value: Any) -> None:
+# The options, and the Python API's other arguments, are checked before anything is created or read:
+# a wrong type is bad input named by its argument, not a TypeError from deep inside.
+
+
+def check_flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise BadInputError(f"{name} must be True or False, got {value!r}")
-
-
-# The Python API's other arguments, checked before anything is created or read: a wrong type is bad
-# input named by its argument, not a TypeError from deep inside.
-check_flag = _flag
 
 
 def check_path(name: str, value: Any) -> Path:
@@ -100,7 +99,7 @@ class ConversionOptions:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int):
             raise BadInputError(f"tp must be an integer, got {self.tp!r}")
         for name in ("ep", "dp_attention", "mori", "mtp"):
-            _flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         get_profile(self.profile)  # unknown profiles refused, naming the known ones
         object.__setattr__(self, "shard_size", parse_size(self.shard_size))
         if self.shard_size < 1:

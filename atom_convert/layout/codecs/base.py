@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from ...errors import ConfigError, UnsupportedError, json_kind
+from ...errors import ConfigError, UnsupportedError, json_found, json_kind
 
 if TYPE_CHECKING:
     from ...files.source import SourceCheckpoint
@@ -113,11 +113,8 @@ def detect_format(config: dict[str, Any], where: str = "config.json") -> SourceF
         raise ConfigError(f"{where}: quantization_config is {json_kind(qcfg)} {_clip(qcfg)}, expected an object "
                           f"(with quant_method) or no quantization_config for bf16")
     if qcfg and not isinstance(qcfg.get("quant_method"), str):
-        method = qcfg.get("quant_method")
-        found = ("missing" if "quant_method" not in qcfg else "null" if method is None
-                 else f"{json_kind(method)} {_clip(method)}")
-        raise ConfigError(f"{where}: quantization_config.quant_method is {found}, expected a string such as 'fp8' "
-                          f"or 'quark'")
+        raise ConfigError(f"{where}: quantization_config.quant_method is {json_found(qcfg, 'quant_method')}, "
+                          f"expected a string such as 'fp8' or 'quark'")
     for cls in _FORMATS.values():
         if cls.matches(qcfg):
             return cls(config)

@@ -206,9 +206,9 @@ class Fp8BlockFormat(SourceFormat, fmt="fp8-block"):
             raise UnsupportedError(
                 f"config.json: fp8 quantization_config with activation_scheme={scheme!r}"
                 + (f", is_dynamic={dynamic!r}" if dynamic is not True else "") + " is not supported: ATOM then "
-                f"scales activations by input_scale tensors loaded from the checkpoint, which DeepSeek's fp8 format "
-                f"does not have; atom-convert reads activation_scheme 'dynamic' (or none), as DeepSeek's releases "
-                f"write it"
+                "scales activations by input_scale tensors loaded from the checkpoint, which DeepSeek's fp8 format "
+                "does not have; atom-convert reads activation_scheme 'dynamic' (or none), as DeepSeek's releases "
+                "write it"
             )
         return True
 
