@@ -91,7 +91,7 @@ def main() -> int:
 
     steps: dict[str, Callable[[int], None]] = {
         "check the source (2 reductions)": check_source, "shuffle16 into a buffer": shuffle,
-        "check the shuffled weight": check_shuffled, "BLAKE3 leaves of 64 KiB blocks": leaves,
+        "check the shuffled weight": check_shuffled, f"{digest.WRITTEN} leaves of 64 KiB blocks": leaves,
         "pwrite (in place)": write,
         "whole, check on the source (before)": lambda e: (check_source(e), shuffle(e), leaves(e), write(e)),
         "whole, check on the shuffled weight": lambda e: (shuffle(e), check_shuffled(e), leaves(e), write(e)),

@@ -33,6 +33,7 @@ if [ "${1:-}" = "--test" ]; then
     .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0"  # ours that vLLM does not bring (pyproject.toml)
   .venv-vllm/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in .venv-vllm')"
 else
   python -m pip install -q -e .

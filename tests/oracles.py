@@ -138,3 +138,13 @@ def b3_blocks(data: bytes) -> str:
     leaves = b"".join(blake3.blake3(data[i:i + 65536]).digest() for i in range(0, len(data), 65536))
     context = "atom-convert 2026-12-04 file digest: the BLAKE3 of each 64 KiB block, in order"
     return blake3.blake3(leaves, derive_key_context=context).hexdigest()
+
+
+def xx_blocks(data: bytes) -> str:
+    """The `xxh3_blocks` digest of a file's bytes, from its definition (docs/layout.md) and the
+    xxhash package's one-shot calls alone: the XXH3-128 of each 64 KiB block (the last one shorter,
+    none for no bytes) in its canonical 16 bytes, laid end to end, then the XXH3-128 of those, in hex."""
+    import xxhash
+
+    leaves = b"".join(xxhash.xxh3_128(data[i:i + 65536]).digest() for i in range(0, len(data), 65536))
+    return xxhash.xxh3_128(leaves).hexdigest()

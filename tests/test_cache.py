@@ -367,7 +367,7 @@ def _dotdot_rank_file(m: dict) -> None:
 
 
 def _dotdot_files(m: dict) -> None:
-    m["files"]["../../outside.safetensors"] = {"bytes": 4, "blake3_blocks": "0" * 64}
+    m["files"]["../../outside.safetensors"] = {"bytes": 4, "xxh3_blocks": "0" * 32}
 
 
 @pytest.mark.parametrize("edit", [_future, _dotdot_rank_file, _dotdot_files], ids=["future-format", "rank-file-out",

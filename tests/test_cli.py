@@ -23,7 +23,7 @@ from atom_convert.files.dtypes import dtype_from_name
 from atom_convert.files.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
 
 from cliutil import leftovers, run_cli
-from oracles import b3_blocks
+from oracles import xx_blocks
 
 PRESET = "tiny-deepseek-v3"
 MANIFEST = "atom_manifest.json"
@@ -33,9 +33,9 @@ def sha256(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def b3(p: Path) -> str:
-    """The blake3_blocks digest of a file, by its definition (tests/oracles.py; a converted set's files carry it)."""
-    return b3_blocks(p.read_bytes())
+def xx(p: Path) -> str:
+    """The xxh3_blocks digest of a file, by its definition (tests/oracles.py; a converted set's files carry it)."""
+    return xx_blocks(p.read_bytes())
 
 
 def nbytes(dtype: str, shape: list[int]) -> int:
@@ -218,7 +218,7 @@ def test_verify_passes_then_fails_after_one_flipped_byte(conv: Path, tmp_path: P
     assert code == 3, out + err  # a verification that ran and failed: 3, not 1 (an internal error)
     assert "internal error" not in err and "verification of" in err, err
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
-    assert len(fails) == 1 and which in fails[0] and "blake3_blocks" in fails[0], out
+    assert len(fails) == 1 and which in fails[0] and "xxh3_blocks" in fails[0], out
     code, out, err = run_cli(["verify", dst, "--json"], capsys)
     assert code == 3
     report = json.loads(out)
@@ -363,7 +363,7 @@ def test_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 def test_api_returns_the_manifest(api_run: tuple[Path, dict[str, Any]], src: Path) -> None:
     dst, m = api_run
     assert m == json.loads((dst / MANIFEST).read_text())
-    assert m["format_version"] == 4
+    assert m["format_version"] == 5
     assert m["tool_version"] == atom_convert.__version__
     assert m["target"] == "gfx942" and m["fp8_dtype"] == "float8_e4m3fnuz" and m["tp_size"] == 1
     lay = m["layout"]
@@ -395,7 +395,7 @@ def test_api_returns_the_manifest(api_run: tuple[Path, dict[str, Any]], src: Pat
     files = {p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()} - {MANIFEST}
     assert set(m["files"]) == files
     for rel, meta in m["files"].items():
-        assert meta == {"bytes": (dst / rel).stat().st_size, "blake3_blocks": b3(dst / rel)}, rel
+        assert meta == {"bytes": (dst / rel).stat().st_size, "xxh3_blocks": xx(dst / rel)}, rel
     assert m["mtp"]["status"] == "converted"
     assert m["mtp"]["tensors"] == len(json.loads((dst / "mtp" / MANIFEST).read_text())["tensors"])
 
@@ -443,8 +443,8 @@ def test_side_files_are_copied(api_run: tuple[Path, dict[str, Any]], src: Path) 
         for root in (dst, dst / "mtp"):
             assert (root / name).read_bytes() == (src / name).read_bytes()
         assert name in m["copied_files"]
-        assert m["files"][name]["blake3_blocks"] == b3(src / name)
-        assert m["files"][f"mtp/{name}"]["blake3_blocks"] == b3(src / name)
+        assert m["files"][name]["xxh3_blocks"] == xx(src / name)
+        assert m["files"][f"mtp/{name}"]["xxh3_blocks"] == xx(src / name)
     assert not (dst / INDEX_NAME).exists(), "the source index must not be copied beside converted shards"
 
 

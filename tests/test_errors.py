@@ -34,7 +34,7 @@ from atom_convert.synth import build_tiny, load_preset
 from atom_convert.engine.writer import ShardFile, ShardSetWriter
 
 from cliutil import leftovers, run_cli
-from oracles import b3_blocks
+from oracles import b3_blocks, xx_blocks
 
 PRESET = "tiny-deepseek-v3"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -601,7 +601,7 @@ def test_io_thread_failure_keeps_only_sealed_shards(tiny_checkpoint: Callable[..
     journal = [json.loads(x) for x in (staging / ".atom-journal.jsonl").read_text().splitlines()[1:]]
     assert len(journal) >= 1 and {staging / e["sealed"] for e in journal} == {p for p in files if p.suffix == ".safetensors"}
     for e in journal:
-        assert b3_blocks((staging / e["sealed"]).read_bytes()) == e["blake3_blocks"]
+        assert xx_blocks((staging / e["sealed"]).read_bytes()) == e["xxh3_blocks"]
     monkeypatch.undo()
     atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
     assert leftovers(dst) == []
@@ -612,11 +612,11 @@ def test_io_thread_failure_keeps_only_sealed_shards(tiny_checkpoint: Callable[..
         {k: v for k, v in b.items() if not k.endswith("atom_manifest.json")}
 
 
-@pytest.mark.parametrize("key", ["blake3", "sha256"])
+@pytest.mark.parametrize("key", ["blake3_blocks", "blake3", "sha256"])
 def test_resume_keeps_shards_sealed_by_an_earlier_version(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch, key: str) -> None:
-    """A staging journal written by an earlier version records whole-file digests (BLAKE3, sha256): a
-    resume checks each kept shard against the digest its journal gives, keeps it, and the finished
+    """A staging journal written by an earlier version records its digests (BLAKE3 over blocks,
+    whole-file BLAKE3, sha256): a resume checks each kept shard against the digest its journal gives, keeps it, and the finished
     manifest records every file under this version's key with this version's digest (verify passes)."""
     import hashlib
 
@@ -638,14 +638,15 @@ def test_resume_keeps_shards_sealed_by_an_earlier_version(tiny_checkpoint: Calla
     with pytest.raises(BadInputError, match="no space left"):
         atom_convert.convert(tiny_checkpoint(PRESET, "fp8"), dst, shard_size="100KB")
     monkeypatch.undo()
-    whole = {"blake3": blake3.blake3, "sha256": hashlib.sha256}[key]
+    whole = {"blake3_blocks": b3_blocks, "blake3": lambda b: blake3.blake3(b).hexdigest(),
+             "sha256": lambda b: hashlib.sha256(b).hexdigest()}[key]
     jp = staging / ".atom-journal.jsonl"
     lines = jp.read_text().splitlines()
     entries = [json.loads(x) for x in lines[1:]]
     assert entries
     for e in entries:  # as the earlier version wrote them
-        del e["blake3_blocks"]
-        e[key] = whole((staging / e["sealed"]).read_bytes()).hexdigest()
+        del e["xxh3_blocks"]
+        e[key] = whole((staging / e["sealed"]).read_bytes())
     jp.write_text("\n".join([lines[0]] + [json.dumps(e) for e in entries]) + "\n")
     sealed = {e["sealed"]: (staging / e["sealed"]).stat().st_mtime_ns for e in entries}
     notes: list[str] = []
@@ -654,7 +655,7 @@ def test_resume_keeps_shards_sealed_by_an_earlier_version(tiny_checkpoint: Calla
     for rel, mtime in sealed.items():  # kept, not rewritten
         assert (dst / rel).stat().st_mtime_ns == mtime, rel
     for rel, meta in m["files"].items():
-        assert set(meta) == {"bytes", "blake3_blocks"} and meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes())
+        assert set(meta) == {"bytes", "xxh3_blocks"} and meta["xxh3_blocks"] == xx_blocks((dst / rel).read_bytes())
     assert verify(dst, None).ok
 
 

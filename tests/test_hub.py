@@ -372,7 +372,7 @@ def test_upload_pr_branch_and_refusal(hub: FakeHub, hub_converted: Path, tmp_pat
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     n0 = len(hub.requests)
-    with pytest.raises(ConvertedCheckError, match=f"{shard.name}: blake3_blocks .* \\(corrupted\\)"):
+    with pytest.raises(ConvertedCheckError, match=f"{shard.name}: xxh3_blocks .* \\(corrupted\\)"):
         atom_convert.upload(bad, "my-org/never")
     assert len(hub.requests) == n0 and "my-org/never" not in hub.repos
 
@@ -493,7 +493,7 @@ def test_pull_refuses_a_corrupt_cache_repo(hub: FakeHub, source_repo: str, hub_c
     data = bytearray(hub.files(repo)[shard])
     data[100] ^= 1
     HfApi().upload_file(path_or_fileobj=bytes(data), path_in_repo=shard, repo_id=repo)
-    with pytest.raises(ConvertedCheckError, match=f"{shard}: blake3_blocks "):
+    with pytest.raises(ConvertedCheckError, match=f"{shard}: xxh3_blocks "):
         atom_convert.convert(SRC_REPO, tmp_path / "x", "gfx950", tp=2, hub_cache=repo)
     assert not (tmp_path / "x").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x.")]

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 import atom_convert
 
-from oracles import b3_blocks
+from oracles import xx_blocks
 
 PRESETS = ("tiny-deepseek-v2-lite", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-kimi-k2")
 FORMATS = ("bf16", "fp8")
@@ -527,7 +527,7 @@ def test_manifest_files_sizes_and_hashes(case: Case):
     for rel, meta in m["files"].items():
         p = case.out / rel
         assert p.stat().st_size == meta["bytes"], rel
-        assert b3_blocks(p.read_bytes()) == meta["blake3_blocks"], rel
+        assert xx_blocks(p.read_bytes()) == meta["xxh3_blocks"], rel
     if case.src.n_mtp:
         mm = json.loads((case.out / "mtp" / MANIFEST).read_text())
         assert m["mtp"]["status"] == "converted" and m["mtp"]["path"] == "mtp"

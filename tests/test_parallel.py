@@ -190,7 +190,7 @@ def test_common_files_and_manifest(par_converted: Callable[..., tuple[Path, Path
     s = source(src)
     for root in [dst] + ([dst / "mtp"] if (dst / "mtp").is_dir() else []):
         raw = json.loads((root / MANIFEST_NAME).read_text())
-        assert raw["format_version"] == 4 and raw["tp_size"] == tp
+        assert raw["format_version"] == 5 and raw["tp_size"] == tp
         p = raw["parallel"]
         assert (p["tp"], p["dp"], p["ep"], p["dp_attention"]) == (tp, tp if dpa else 1, tp if ep else 1, dpa)
         assert (p["attn_tp"], p["moe_tp"]) == (1 if dpa else tp, 1 if ep else tp)
@@ -331,7 +331,7 @@ def test_manifest_differences_and_v1(par_converted: Callable[..., tuple[Path, Pa
         r["format_version"] = 1
         for meta in r["files"].values():  # version 1 and 2 list sha256 digests (store/digest.py)
             meta["sha256"] = "0" * 64
-            del meta["blake3_blocks"]
+            del meta["xxh3_blocks"]
         r.pop("parallel")
         for e in r["tensors"].values():
             del e["placement"], e["split"]

@@ -74,7 +74,7 @@ def join_shard(p: Path, header_text: str, data: bytes) -> None:
 def reseal(d: Path, rel: str) -> None:
     """Record the file's new size and digest in the manifest: only the header checks can catch it then."""
     edit_manifest(d, lambda m: m["files"].__setitem__(rel, {"bytes": (d / rel).stat().st_size,
-                                                           "blake3_blocks": file_digest(d / rel)}))
+                                                           "xxh3_blocks": file_digest(d / rel)}))
 
 
 def edit_header(d: Path, edit: Callable[[dict[str, Any]], str | None]) -> None:
@@ -146,7 +146,7 @@ def _flipped(d: Path, outside: Path) -> Case:
     raw = bytearray((d / rel).read_bytes())
     raw[len(raw) - 10] ^= 0x5A
     (d / rel).write_bytes(bytes(raw))
-    return Case([rel, "blake3_blocks"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
+    return Case([rel, "xxh3_blocks"], {"verify": "problem", "inspect": "ok", "load_into": "ok", "open_converted": "ok"})
 
 
 # shard headers (the manifest's sizes and digests resealed, so that the header checks must catch them)
@@ -265,6 +265,14 @@ def _m_type_par(d: Path, outside: Path) -> Case:
     return Case([MANIFEST_NAME, "parallel.ranks is an object", "expected a list of 1"], error=ConvertedCheckError)
 
 
+@case("manifest-digest-of-another-length")
+def _m_digest_len(d: Path, outside: Path) -> Case:
+    """A format_version 5 file entry with a 64-digit digest (BLAKE3's length, not XXH3-128's 32)."""
+    rel = shard(d)
+    edit_manifest(d, lambda m: m["files"][rel].__setitem__("xxh3_blocks", "ab" * 32))
+    return Case([MANIFEST_NAME, f"files[{rel!r}]", "xxh3_blocks", "expected 32 hex digits"], error=ConvertedCheckError)
+
+
 @case("manifest-future-version")
 def _m_future(d: Path, outside: Path) -> Case:
     edit_manifest(d, lambda m: m.__setitem__("format_version", FORMAT_VERSION + 1))
@@ -319,7 +327,7 @@ def _m_absolute(d: Path, outside: Path) -> Case:
 def _m_files_dotdot(d: Path, outside: Path) -> Case:
     (outside / "secret.txt").write_text("not yours")
     bad = f"../{outside.name}/secret.txt"
-    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "blake3_blocks": file_digest(outside / "secret.txt")}))
+    edit_manifest(d, lambda m: m["files"].__setitem__(bad, {"bytes": 9, "xxh3_blocks": file_digest(outside / "secret.txt")}))
     return Case([MANIFEST_NAME, f"files[{bad!r}]", "'..'"], error=ConvertedCheckError)
 
 

@@ -19,6 +19,7 @@ from atom_convert.files.source import read_safetensors_header
 from atom_convert.check.verify import verify
 
 from conftest import FORMATS, PRESETS, TARGETS
+from oracles import b3_blocks
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -148,7 +149,7 @@ def _rewrite(dst: Path, name: str, fn) -> None:
     assert not torch.equal(_bytes(new), _bytes(tensors[name])), "the corruption must change the bytes"
     tensors[name] = new
     save_file(tensors, str(dst / f), metadata={"format": "pt"})
-    m["files"][f] = {"bytes": (dst / f).stat().st_size, "blake3_blocks": file_digest(dst / f)}
+    m["files"][f] = {"bytes": (dst / f).stat().st_size, "xxh3_blocks": file_digest(dst / f)}
     (dst / MANIFEST_NAME).write_text(json.dumps(m))
 
 
@@ -179,21 +180,23 @@ def test_flipped_byte_in_any_file(converted, tiny_checkpoint, tmp_path):
         raw[off] ^= 0x5A
         (dst / f).write_bytes(bytes(raw))
         r = verify(dst, None)
-        assert not r.ok and any(Path(f).name in p and "blake3_blocks" in p for p in r.failures), r.failures
+        assert not r.ok and any(Path(f).name in p and "xxh3_blocks" in p for p in r.failures), r.failures
         r = verify(dst, src, tokens=4)
         assert any(name in p for p in r.check.problems), (f, name, r.check.problems)
 
 
-@pytest.mark.parametrize("version,key", [(2, "sha256"), (3, "blake3")])
+@pytest.mark.parametrize("version,key", [(2, "sha256"), (3, "blake3"), (4, "blake3_blocks")])
 def test_older_formats_digests_still_checked(converted, tmp_path, version, key):
-    """A directory written before format_version 4 lists whole-file digests (sha256 before version 3,
-    BLAKE3 in version 3): verify checks them as such (hashlib's and the blake3 package's, computed
-    here), passes when they match and names the file and the digest when one does not."""
+    """A directory written before format_version 5 lists the digests of its version (sha256 before
+    version 3, whole-file BLAKE3 in version 3, BLAKE3 over 64 KiB blocks in version 4): verify checks
+    them as such (hashlib's, the blake3 package's, and the blocks' definition with it: tests/oracles.py,
+    computed here), passes when they match and names the file and the digest when one does not."""
     import hashlib
 
     import blake3
 
-    whole = {"sha256": hashlib.sha256, "blake3": blake3.blake3}[key]
+    whole = {"sha256": lambda b: hashlib.sha256(b).hexdigest(), "blake3": lambda b: blake3.blake3(b).hexdigest(),
+             "blake3_blocks": b3_blocks}[key]
     dst = tmp_path / f"v{version}"
     shutil.copytree(converted("tiny-deepseek-v3", "fp8", "gfx950"), dst)
     manifests = sorted(dst.rglob(MANIFEST_NAME), key=lambda p: -len(p.parts))  # mtp/ before the main one
@@ -201,9 +204,9 @@ def test_older_formats_digests_still_checked(converted, tmp_path, version, key):
         m = json.loads(mp.read_text())
         m["format_version"] = version
         for rel, meta in m["files"].items():
-            del meta["blake3_blocks"]
+            del meta["xxh3_blocks"]
             meta["bytes"] = (mp.parent / rel).stat().st_size  # mtp/'s manifest, rewritten first
-            meta[key] = whole((mp.parent / rel).read_bytes()).hexdigest()
+            meta[key] = whole((mp.parent / rel).read_bytes())
         mp.write_text(json.dumps(m))
     r = verify(dst, None)
     assert r.ok, r.failures

@@ -34,7 +34,7 @@ from atom_convert.engine.writer import ShardSetWriter
 
 from cliutil import Shared, run_cli
 
-from oracles import b3_blocks
+from oracles import xx_blocks
 from test_memory import trace_conversion
 
 PRESET = "tiny-deepseek-v3"
@@ -138,7 +138,7 @@ def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_pat
                                            monkeypatch: pytest.MonkeyPatch, from_map: bool) -> None:
     """The writers send the leaves of the whole blocks they wrote, and the hashing threads hash the
     others through a mapping of the file (or read back), one block at a time (a window of an odd
-    size under one block): every shard's digest in the manifest is blake3_blocks' definition
+    size under one block): every shard's digest in the manifest is xxh3_blocks' definition
     (tests/oracles.py) over the file as written, for workers in processes and in threads."""
     from atom_convert.engine import writer
 
@@ -159,7 +159,7 @@ def test_manifest_digest_is_each_files_own(sources: Callable[..., Path], tmp_pat
         shards = {k: v for k, v in m["files"].items() if k.endswith(".safetensors")}
         assert len(shards) > 8
         for rel, meta in shards.items():
-            assert meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes()), (workers, rel)
+            assert meta["xxh3_blocks"] == xx_blocks((dst / rel).read_bytes()), (workers, rel)
     shards = [sh for w in made for sh in w._open.values()]
     assert shards and all(sh.hash_from_map is from_map and sh.hash_read == 12345 for sh in shards)
 
@@ -180,7 +180,7 @@ def test_writers_send_the_leaves_of_whole_blocks(sources: Callable[..., Path], t
 
     def counting_put(self: Any, first: int, leaves: bytes) -> None:
         with lock:
-            counts["put"] += len(leaves) // digest_mod.LEAF
+            counts["put"] += len(leaves) // self.scheme.leaf_size
         put(self, first, leaves)
 
     def counting_hash(self: Any, blocks: list[int], read: Any) -> None:
@@ -198,7 +198,7 @@ def test_writers_send_the_leaves_of_whole_blocks(sources: Callable[..., Path], t
     assert counts["put"] == total, counts
     assert total // 2 < sent < total, (sent, counts, total)
     for rel, meta in shards.items():
-        assert meta["blake3_blocks"] == b3_blocks((dst / rel).read_bytes()), rel
+        assert meta["xxh3_blocks"] == xx_blocks((dst / rel).read_bytes()), rel
 
 
 @pytest.mark.parametrize("par", [{"ep": True}, {"dp_attention": True, "ep": True}], ids=["ep", "dpa-ep"])

@@ -15,7 +15,7 @@ How it works:
 2. Each worker hands its buffers to its own write-behind thread (`_IOThread`, write_behind.py),
    which `pwrite`s them at their offsets (the whole 64 KiB blocks of a large buffer with O_DIRECT,
    the rest through the page cache: DIRECT_MIN_BYTES below), takes the leaves of the whole 64 KiB blocks of the
-   file that lie in the buffer (store/digest.py: `blake3_blocks`) while the bytes are still in
+   file that lie in the buffer (store/digest.py: `xxh3_blocks`) while the bytes are still in
    its core's caches, and marks the byte range done with those leaves (a worker process sends
    them to the converting process with the range).
 3. A shard's hashing thread follows the contiguous done prefix of its file and hashes only

@@ -1,15 +1,18 @@
-"""File digests of a converted set: BLAKE3 over 64 KiB blocks in what this version writes; the
-earlier whole-file BLAKE3 and sha256 still read.
+"""File digests of a converted set: XXH3-128 over 64 KiB blocks in what this version writes; the
+earlier BLAKE3 over blocks, whole-file BLAKE3 and sha256 still read.
 
 The manifest's `files` list gives every file's size and digest, and the staging journal each
 sealed shard's. Both are what verify, a resume, `ensure_converted`, the Hub pull and `upload`
 check a file against. The key names the digest:
 
-- `blake3_blocks` (format_version 4, written now): cut the file into 64 KiB blocks (the last one
-  shorter, none for an empty file); a block's leaf is the 32-byte BLAKE3 hash of its bytes; the
-  digest is the BLAKE3 hash, in key-derivation mode with the context string CONTEXT below, of the
-  leaves laid end to end in file order. Anyone can recompute it with any BLAKE3 library (the
-  tests do it with the blake3 package's one-shot calls: tests/oracles.py).
+- `xxh3_blocks` (format_version 5, written now): cut the file into 64 KiB blocks (the last one
+  shorter, none for an empty file); a block's leaf is the 16-byte XXH3-128 of its bytes (the
+  canonical, big-endian form: `xxhsum -H2` prints it in hex); the digest is the XXH3-128, in hex,
+  of the leaves laid end to end in file order. Anyone can recompute it with any XXH3 library (the
+  tests do it with the xxhash package's one-shot calls: tests/oracles.py).
+- `blake3_blocks` (format_version 4): the same blocks, each leaf the 32-byte BLAKE3 hash, the
+  digest the BLAKE3 hash of the leaves in key-derivation mode with the context string
+  BLAKE3_CONTEXT below.
 - `blake3` (format_version 3): BLAKE3 of the whole file (`b3sum FILE`).
 - `sha256` (format_version 1 and 2).
 
@@ -18,8 +21,16 @@ order, so one thread per shard read the written bytes back from memory after the
 left them, and a rank's last experts were hashed after the last item (the tail). A block's leaf
 depends on that block alone: whoever writes a buffer hashes the whole blocks in it at once, while
 they are in that core's caches, and the shard's own thread hashes only the blocks that straddle
-two buffers (BENCHMARKS.md, sixteenth round, measures both). BLAKE3 itself is the blake3 package
-(the BLAKE3 team's bindings of the reference Rust crate), as since format_version 3.
+two buffers (BENCHMARKS.md, sixteenth round, measures both).
+
+Why XXH3: the digest guards against damage (a disk, a copy, a download cut short, a file edited by
+hand), not against someone who could also rewrite the manifest beside it, so it need not be a
+cryptographic hash; SGLang's pre-sharded checkpoints use XXH3-128 for the same purpose
+(docs/field-notes.md). One core takes the XXH3-128 of 64 KiB blocks at about 16 GB/s and their
+BLAKE3 at about 4.3 (AVX-512, the 2-core box), and with BLAKE3 the digest was half of a warm
+conversion's user time there (BENCHMARKS.md, twenty-seventh round). XXH3 is the xxhash package
+(bindings of the reference C library); BLAKE3 the blake3 package, imported only to read sets of
+format_version 3 and 4.
 
 What identifies a *source* (config.json, the index: manifest `source.config_sha256`, the content
 key) stays sha256: those are small, and the Hub names its LFS objects by sha256.
@@ -29,17 +40,19 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-WRITTEN = "blake3_blocks"  # the digest this version writes into manifests and journals
+WRITTEN = "xxh3_blocks"  # the digest this version writes into manifests and journals
 # every digest a manifest or journal entry may carry, by its key, the newest first
-READ = ("blake3_blocks", "blake3", "sha256")
+READ = ("xxh3_blocks", "blake3_blocks", "blake3", "sha256")
 # the digest that manifests of each format_version carry (store/manifest_checks.py)
-KEY_OF_VERSION = {1: "sha256", 2: "sha256", 3: "blake3", 4: "blake3_blocks"}
+KEY_OF_VERSION = {1: "sha256", 2: "sha256", 3: "blake3", 4: "blake3_blocks", 5: "xxh3_blocks"}
+# how many hex digits each digest has (a manifest's check refuses any other)
+HEX_DIGITS = {"xxh3_blocks": 32, "blake3_blocks": 64, "blake3": 64, "sha256": 64}
 BLOCK = 64 << 10
-LEAF = 32  # bytes of a block's leaf
-CONTEXT = "atom-convert 2026-12-04 file digest: the BLAKE3 of each 64 KiB block, in order"
+BLAKE3_CONTEXT = "atom-convert 2026-12-04 file digest: the BLAKE3 of each 64 KiB block, in order"
 CHUNK = 8 << 20
 
 
@@ -49,17 +62,34 @@ def _b3() -> Any:
     return blake3
 
 
-def leaf(block: Any) -> bytes:
-    """The leaf of one block (a bytes-like object of at most BLOCK bytes)."""
-    return _b3().blake3(block).digest()
+def _xxh() -> Any:
+    import xxhash
+
+    return xxhash
 
 
-def root(leaves: bytes) -> str:
-    """The file's digest (hex) from its leaves laid end to end in file order."""
-    return _b3().blake3(leaves, derive_key_context=CONTEXT).hexdigest()
+@dataclass(frozen=True)
+class Blocks:
+    """A digest over 64 KiB blocks: how a block's leaf and the file's digest are taken."""
+
+    key: str
+    leaf_size: int  # bytes of a block's leaf
+    leaf_of: Callable[[], Callable[[Any], bytes]]  # -> the leaf function (its library imported on first use)
+    root: Callable[[bytes], str]  # the leaves laid end to end in file order -> the file's digest (hex)
+
+    def leaf(self, block: Any) -> bytes:
+        """The leaf of one block (a bytes-like object of at most BLOCK bytes)."""
+        return self.leaf_of()(block)
 
 
-def leaves_within(data: Any, offset: int) -> tuple[int, bytes]:
+XXH3 = Blocks("xxh3_blocks", 16, lambda: _xxh().xxh3_128_digest, lambda leaves: _xxh().xxh3_128_hexdigest(leaves))
+BLAKE3 = Blocks("blake3_blocks", 32, lambda: lambda block: _b3().blake3(block).digest(),
+                lambda leaves: _b3().blake3(leaves, derive_key_context=BLAKE3_CONTEXT).hexdigest())
+SCHEMES = {b.key: b for b in (XXH3, BLAKE3)}
+SCHEME = SCHEMES[WRITTEN]  # the blocks the writers hash (engine/writer.py)
+
+
+def leaves_within(data: Any, offset: int, scheme: Blocks = SCHEME) -> tuple[int, bytes]:
     """(first block, leaves) of the whole BLOCK-sized blocks of a file that lie inside `data`,
     which is written at byte `offset` of that file: what a writer hashes while the bytes are in
     its cache. The blocks a buffer only partly covers (and a file's short last block) are left to
@@ -67,10 +97,10 @@ def leaves_within(data: Any, offset: int) -> tuple[int, bytes]:
     mv = memoryview(data).cast("B")
     first = -(-offset // BLOCK)
     at = first * BLOCK - offset
-    b3 = _b3().blake3
+    leaf = scheme.leaf_of()
     out = bytearray()
     while at + BLOCK <= len(mv):
-        out += b3(mv[at:at + BLOCK]).digest()
+        out += leaf(mv[at:at + BLOCK])
         at += BLOCK
     return first, bytes(out)
 
@@ -78,19 +108,21 @@ def leaves_within(data: Any, offset: int) -> tuple[int, bytes]:
 class Leaves:
     """The leaves of one file of `size` bytes as they arrive, from any thread and in any order."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, scheme: Blocks = SCHEME):
         self.size = size
+        self.scheme = scheme
         self.count = -(-size // BLOCK)
-        self._leaves = bytearray(self.count * LEAF)
+        self._leaves = bytearray(self.count * scheme.leaf_size)
         self._have = bytearray(self.count)
         self._lock = threading.Lock()
 
     def put(self, first: int, leaves: bytes) -> None:
-        n = len(leaves) // LEAF
-        if len(leaves) % LEAF or not 0 <= first <= first + n <= self.count:
-            raise ValueError(f"leaves of blocks {first}..{first + len(leaves) / LEAF} of a file of {self.count}")
+        size = self.scheme.leaf_size
+        n = len(leaves) // size
+        if len(leaves) % size or not 0 <= first <= first + n <= self.count:
+            raise ValueError(f"leaves of blocks {first}..{first + len(leaves) / size} of a file of {self.count}")
         with self._lock:
-            self._leaves[first * LEAF:(first + n) * LEAF] = leaves
+            self._leaves[first * size:(first + n) * size] = leaves
             self._have[first:first + n] = b"\1" * n
 
     def missing(self, lo: int, hi: int) -> list[int]:
@@ -105,19 +137,20 @@ class Leaves:
     def hash_blocks(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
         """Take the leaves of `blocks` from their bytes, `read(start, end)` -> a bytes-like object."""
         for i in blocks:
-            self.put(i, leaf(read(*self.block_span(i))))
+            self.put(i, self.scheme.leaf(read(*self.block_span(i))))
 
     def hexdigest(self) -> str:
         with self._lock:
             if self._have.count(0):
                 raise ValueError(f"{self._have.count(0)} of {self.count} blocks have no leaf yet")
-            return root(bytes(self._leaves))
+            return self.scheme.root(bytes(self._leaves))
 
 
 class _BlocksHasher:
-    """`blake3_blocks` of bytes fed in order (`update`, `hexdigest`), as hashlib's objects go."""
+    """A block digest of bytes fed in order (`update`, `hexdigest`), as hashlib's objects go."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheme: Blocks) -> None:
+        self.scheme = scheme
         self._leaves = bytearray()
         self._part = bytearray()  # the bytes of the block not yet whole
 
@@ -129,22 +162,23 @@ class _BlocksHasher:
             mv = mv[take:]
             if len(self._part) < BLOCK:
                 return
-            self._leaves += leaf(self._part)
+            self._leaves += self.scheme.leaf(self._part)
             self._part = bytearray()
         whole = len(mv) // BLOCK * BLOCK
         if whole:
-            self._leaves += leaves_within(mv[:whole], 0)[1]
+            self._leaves += leaves_within(mv[:whole], 0, self.scheme)[1]
         self._part += mv[whole:]
 
     def hexdigest(self) -> str:
-        return root(bytes(self._leaves) + (leaf(self._part) if self._part else b""))
+        return self.scheme.root(bytes(self._leaves) + (self.scheme.leaf(self._part) if self._part else b""))
 
 
 def _blake3() -> Any:
     return _b3().blake3()
 
 
-_NEW: dict[str, Callable[[], Any]] = {"blake3_blocks": _BlocksHasher, "blake3": _blake3, "sha256": hashlib.sha256}
+_NEW: dict[str, Callable[[], Any]] = {"xxh3_blocks": lambda: _BlocksHasher(XXH3), "blake3_blocks": lambda: _BlocksHasher(BLAKE3),
+                                      "blake3": _blake3, "sha256": hashlib.sha256}
 
 
 def new(algorithm: str = WRITTEN) -> Any:
@@ -181,7 +215,7 @@ def entry_digest(meta: Mapping[str, Any]) -> tuple[str, str]:
 
 def mismatch(path: str | Path, meta: Mapping[str, Any]) -> str | None:
     """None when the file at `path` has the digest `meta` records; else what differs, for a report
-    ('blake3_blocks 0123abcd..., the manifest says 4567ef01...')."""
+    ('xxh3_blocks 0123abcd..., the manifest says 4567ef01...')."""
     algorithm, expected = entry_digest(meta)
     got = file_digest(path, algorithm)
     if got == expected:

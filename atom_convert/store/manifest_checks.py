@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
 
 # the version this code writes (store/manifest.py re-exports it); what digest each version's files
-# carry (4: blake3_blocks, 3: blake3, 1 and 2: sha256) is store/digest.py's KEY_OF_VERSION, and
+# carry (5: xxh3_blocks, 4: blake3_blocks, 3: blake3, 1 and 2: sha256) is store/digest.py's KEY_OF_VERSION, and
 # each is still checked as it is
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+
 
 # ------------------------------------------------------------------------------------------------
 # Checking a manifest before anything reads it (a damaged, hand-edited or hostile manifest is bad
@@ -40,7 +41,12 @@ _FIX_VERSION = ("upgrade atom-convert (pip install -U atom-convert) to read it, 
                 "with this version (atom-convert convert SRC DST --force)")
 SPLIT_KINDS = ("replicated", "dim", "heads", "experts")
 PLACEMENTS = ("per_rank", "common")
-_HEX256 = re.compile(r"^[0-9a-f]{64}$")  # a sha256 or BLAKE3 digest
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def _is_hex(v: Any, digits: int) -> bool:
+    """A digest of `digits` lower-case hex digits (store/digest.py HEX_DIGITS)."""
+    return isinstance(v, str) and len(v) == digits and bool(_HEX.match(v))
 
 
 def converted_error(problems: list[str], fix: str, listed: bool = False) -> ConvertedCheckError:
@@ -318,7 +324,8 @@ def check_manifest(p: Path, m: Any, directory: Path) -> None:
                 c.problems.append(f"{where} is {json_kind(meta)}, expected an object (bytes, {digest_key})")
                 continue
             c.field(meta, where, "bytes", _is_int, "an integer >= 0")
-            c.field(meta, where, digest_key, lambda v: isinstance(v, str) and bool(_HEX256.match(v)), "64 hex digits")
+            c.field(meta, where, digest_key, lambda v: _is_hex(v, digest.HEX_DIGITS[digest_key]),
+                    f"{digest.HEX_DIGITS[digest_key]} hex digits")
     c.field(m, "", "dropped", lambda v: isinstance(v, dict), "an object of source tensor -> reason", required=False)
     c.field(m, "", "copied_files", _is_strs, "a list of file names", required=False)
     if c.field(m, "", "mtp", lambda v: isinstance(v, dict), "an object (status, path)", required=False):
