@@ -82,8 +82,12 @@ class Blocks:
         return self.leaf_of()(block)
 
 
+def _blake3_leaf(block: Any) -> bytes:
+    return _b3().blake3(block).digest()
+
+
 XXH3 = Blocks("xxh3_blocks", 16, lambda: _xxh().xxh3_128_digest, lambda leaves: _xxh().xxh3_128_hexdigest(leaves))
-BLAKE3 = Blocks("blake3_blocks", 32, lambda: lambda block: _b3().blake3(block).digest(),
+BLAKE3 = Blocks("blake3_blocks", 32, lambda: _blake3_leaf,
                 lambda leaves: _b3().blake3(leaves, derive_key_context=BLAKE3_CONTEXT).hexdigest())
 SCHEMES = {b.key: b for b in (XXH3, BLAKE3)}
 SCHEME = SCHEMES[WRITTEN]  # the blocks the writers hash (engine/writer.py)
@@ -177,7 +181,8 @@ def _blake3() -> Any:
     return _b3().blake3()
 
 
-_NEW: dict[str, Callable[[], Any]] = {"xxh3_blocks": lambda: _BlocksHasher(XXH3), "blake3_blocks": lambda: _BlocksHasher(BLAKE3),
+_NEW: dict[str, Callable[[], Any]] = {"xxh3_blocks": lambda: _BlocksHasher(XXH3),
+                                      "blake3_blocks": lambda: _BlocksHasher(BLAKE3),
                                       "blake3": _blake3, "sha256": hashlib.sha256}
 
 

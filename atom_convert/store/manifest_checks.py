@@ -41,12 +41,12 @@ _FIX_VERSION = ("upgrade atom-convert (pip install -U atom-convert) to read it, 
                 "with this version (atom-convert convert SRC DST --force)")
 SPLIT_KINDS = ("replicated", "dim", "heads", "experts")
 PLACEMENTS = ("per_rank", "common")
-_HEX = re.compile(r"^[0-9a-f]+$")
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def _is_hex(v: Any, digits: int) -> bool:
     """A digest of `digits` lower-case hex digits (store/digest.py HEX_DIGITS)."""
-    return isinstance(v, str) and len(v) == digits and bool(_HEX.match(v))
+    return isinstance(v, str) and len(v) == digits and _HEX.fullmatch(v) is not None
 
 
 def converted_error(problems: list[str], fix: str, listed: bool = False) -> ConvertedCheckError:
