@@ -72,8 +72,11 @@ def check_verify_result(result: Any, where: str) -> dict[str, Any]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise BadInputError(f"{where}: rows[{i}] is {json_kind(row)}, expected an object{fix}")
-        bad = [k for k in _VERIFY_NUMBERS if not number(row.get(k))] + (["top1"] if "top1" in row and not number(
-            row["top1"]) else []) + ([] if isinstance(row.get("what"), str) else ["what"])
+        bad = [k for k in _VERIFY_NUMBERS if not number(row.get(k))]
+        if "top1" in row and not number(row["top1"]):  # optional
+            bad.append("top1")
+        if not isinstance(row.get("what"), str):
+            bad.append("what")
         if bad:
             k = bad[0]
             raise BadInputError(f"{where}: rows[{i}].{k} is {json_found(row, k)}, expected "
