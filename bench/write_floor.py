@@ -13,6 +13,12 @@ that part alone, with no conversion work around it: `--procs` processes at once,
   for each K processes (16 workers over a tp-8 conversion's 8 shards: `--procs 16 --share 2`),
 - `shared-turns`: the same, each write taking the file's turn as the conversion's writer does
   (engine/writer.py, TAKE_TURNS: an open-file-description lock, so a waiting writer sleeps),
+- `make-pwrite` and `make-mapped`: a conversion's write with the making of the bytes: each 8 MB piece is
+  first copied out of a source the process filled before the clock (standing in for the layout step),
+  into the hot buffer that is then `pwrite`n (the writer as it is), or straight into the file through a
+  shared mapping, the piece's range first allocated with `fallocate` (a full file system fails there,
+  not with SIGBUS) and its pages mapped in one `MADV_POPULATE_WRITE` call; `--share K` applies to both
+  (each process's first piece is read back and compared after the clock),
 
 and, for comparison, the first touch of as much fresh anonymous memory (a buffer allocated per
 item). Reports GB/s over all processes and CPU-seconds (user + system) per GB written, taken from
@@ -55,7 +61,8 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
     """One process's part (process i of p sharing its file; p is 1 for a file each): (start, end,
     CPU-s) of the way named, over n bytes."""
     way, path, n, barrier, i, p = args
-    shared = way.startswith("shared")
+    make = way.startswith("make-")
+    shared = way.startswith("shared") or (make and p > 1)
     turns = way == "shared-turns"
     if turns:  # imported before the clock starts (the writer's module imports torch)
         import fcntl
@@ -67,6 +74,10 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
     flags = (os.O_CREAT | os.O_RDWR | (os.O_DIRECT if way == "direct" else 0)
              | (os.O_TRUNC if not shared else 0))
     fd = os.open(path, flags, 0o600) if way != "anon" else -1
+    src = None
+    if make:  # the source, touched before the clock (a warm conversion's source is in the page cache)
+        src = np.empty(n, dtype=np.uint8)
+        src[::4096] = 7
     try:
         if way == "rewrite":  # the pages first, then the timed rewrite of the same ones
             for off in range(0, n, BUF):
@@ -77,6 +88,22 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
             a = np.empty(n, dtype=np.uint8)
             a[::4096] = 1  # one byte per page: the first touch, nothing else
             del a
+        elif way == "make-pwrite":
+            for k in range(n // BUF):
+                buf[:] = src[k * BUF:(k + 1) * BUF]
+                os.pwrite(fd, buf, (k * p + i) * BUF)
+        elif way == "make-mapped":
+            size = n * p
+            os.ftruncate(fd, size)  # every process: the same size, so the order does not matter
+            mm = mmap.mmap(fd, size)
+            dst = np.frombuffer(mm, dtype=np.uint8)
+            for k in range(n // BUF):
+                off = (k * p + i) * BUF
+                os.posix_fallocate(fd, off, BUF)
+                mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), off, BUF)  # 23: Linux 5.14+
+                dst[off:off + BUF] = src[k * BUF:(k + 1) * BUF]
+            del dst
+            mm.close()
         elif shared:
             for k in range(n // BUF):
                 if turns:
@@ -92,9 +119,13 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
         t1, c1 = time.perf_counter(), _cpu()
         if shared:
             barrier.wait()  # type: ignore[attr-defined]  (all written: the file is whole)
+        # RuntimeError, not SystemExit: the pool passes an Exception on to map(), but loses a worker
+        # that raises SystemExit and then waits for its result for ever
+        if make and os.pread(fd, BUF, i * BUF) != src[:BUF].tobytes():
+            raise RuntimeError(f"{path}: the piece of process {i} at {i * BUF} is not what it made")
         want = n * p if shared else n
         if fd >= 0 and os.fstat(fd).st_size != want:
-            raise SystemExit(f"{path}: {os.fstat(fd).st_size} bytes written, expected {want}")
+            raise RuntimeError(f"{path}: {os.fstat(fd).st_size} bytes written, expected {want}")
     finally:
         if fd >= 0:
             os.close(fd)
@@ -105,7 +136,8 @@ def _one(args: tuple[str, str, int, object, int, int]) -> tuple[float, float, fl
 
 def measure(way: str, out: Path, procs: int, nbytes: int, share: int | None = None) -> dict[str, float]:
     ctx = mp.get_context("fork")
-    k = min(share or procs, procs) if way.startswith("shared") else 1  # processes per file
+    sharing = way.startswith("shared") or (way.startswith("make-") and share)
+    k = min(share or procs, procs) if sharing else 1  # processes per file
     with ctx.Manager() as m:
         barrier = m.Barrier(procs)
         with ctx.Pool(procs) as pool:
@@ -123,10 +155,12 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="GB each process writes")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ways", default="new,rewrite,anon",
-                    help="comma-separated: new, rewrite, anon, shared, shared-turns, new-fsync, direct (module docstring)")
+                    help="comma-separated: new, rewrite, anon, shared, shared-turns, new-fsync, direct, make-pwrite, "
+                         "make-mapped (module docstring)")
     ap.add_argument("--share", type=int, default=None, help="processes per file of the shared ways (default: all)")
     a = ap.parse_args()
-    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "shared-turns", "new-fsync", "direct"}
+    unknown = set(a.ways.split(",")) - {"new", "rewrite", "anon", "shared", "shared-turns", "new-fsync", "direct",
+                                        "make-pwrite", "make-mapped"}
     if unknown:
         ap.error(f"--ways: unknown {', '.join(sorted(unknown))}")
     if a.share is not None and (a.share < 1 or any(int(x) % min(a.share, int(x)) for x in a.procs.split(","))):
@@ -136,7 +170,7 @@ def main() -> int:
     for _ in range(a.rounds):
         for p in (int(x) for x in a.procs.split(",")):
             for way in a.ways.split(","):
-                r = {"way": way, "procs": p, **({"share": a.share} if a.share and way.startswith("shared") else {}),
+                r = {"way": way, "procs": p, **({"share": a.share} if a.share and way.startswith(("shared", "make-")) else {}),
                      **measure(way, a.out, p, n, a.share)}
                 print(json.dumps(r), flush=True)
                 rep.append(r)

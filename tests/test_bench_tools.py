@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import pytest
+
 import atom_convert
 from atom_convert.engine import workers
 from atom_convert.engine.planning import make_plan
@@ -231,6 +233,20 @@ def test_write_floor_shares_files_by_k_with_and_without_turns(tmp_path: Path) ->
     rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert [(r["way"], r["procs"], r["share"]) for r in rows] == [("shared", 4, 2), ("shared-turns", 4, 2)], text
     assert all(r["gb_per_s"] > 0 for r in rows), rows
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("share", [None, 2])
+def test_write_floor_makes_pieces_for_pwrite_and_through_a_mapping(tmp_path: Path, share: int | None) -> None:
+    """The make- ways: each process's bytes land where it wrote them (the script reads a piece back
+    and compares), in a file each or K to a file; nothing left in --out."""
+    import json
+
+    text = _run("bench/write_floor.py", "--out", str(tmp_path), "--procs", "2", "--gb", "0.02", "--rounds", "1",
+                "--ways", "make-pwrite,make-mapped", *(["--share", str(share)] if share else []))
+    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert [r["way"] for r in rows] == ["make-pwrite", "make-mapped"], text
+    assert all(r["gb_per_s"] > 0 and r.get("share") == share for r in rows), rows
     assert list(tmp_path.iterdir()) == []
 
 
