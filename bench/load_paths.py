@@ -11,6 +11,8 @@ then measures, all in this one process after CUDA is initialised:
   threads at once (unregistered when the copies are done), with and without MAP_POPULATE, and
   copies straight from the mapping as pageable memory (`pageable16x32`: the runtime stages them);
 - cold: the pread pipeline and O_DIRECT reads into pinned buffers;
+- the loader's pool pinned either way (transfer.PIN): a spec ending in `@torch` or `@thp`, e.g.
+  `pipe16x32d2@torch`, and a sixth `--first-call` field;
 - `--concurrent`: the read half and a host-to-device stream at once but not chained, each one's rate
   beside the other's (do they contend for host memory, or does the chaining cost?).
 Each method's GPU bytes are compared with the files' on one sample per tensor.
@@ -162,19 +164,21 @@ def pieces_of(spans: list[tuple[torch.Tensor, int, int]], a: int, b: int) -> lis
     return out
 
 
+def use_pin(way: str) -> None:
+    """The loader's pool pinned this way from here on (transfer.PIN: "thp" or "torch"); a change drops the
+    buffers pinned the other way (left pinned, unused), so the next call pins its pool anew."""
+    from atom_convert.serve import transfer
+    if transfer.PIN != way:
+        transfer.PIN = way
+        transfer._pools.clear()
+
+
 def ours(files: list[Path], dev: torch.device, threads: int = 16, reader: str = "pread", thp: bool = False,
          chunk: int | None = None) -> Callable[[], Any]:
-    from atom_convert.serve import transfer
     from atom_convert.serve.transfer import FileRead, TensorSlot, place_cuda
     hdrs = headers(files)
     if thp:
-        def pinned(count: int, size: int) -> list[torch.Tensor]:
-            key = ("thp", count, size)
-            if key not in transfer._pools:
-                pool = thp_pinned(count * size)
-                transfer._pools[key] = [pool[i * size:(i + 1) * size] for i in range(count)]  # type: ignore[index]
-            return transfer._pools[key]  # type: ignore[index]
-        transfer._pinned = pinned
+        use_pin("thp")
 
     def run() -> Any:
         reads = [FileRead(h.path, h, [TensorSlot(n, torch.uint8, shape) for n, (_st, shape, _b, _e) in h.entries.items()])
@@ -688,8 +692,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cold", default="pread16,direct8x16,direct16x16,direct4x64")
     ap.add_argument("--warm", default="pread16,reg:256:4,reg:256:8,reg:1024:2,reg:64:16,regpop:256:8")
-    ap.add_argument("--first-call", default="", help="list of CHUNK_MB[:MODEL_BUILD_S[:SUBMIT[:THREADS[:DEPTH]]]]: "
-                    "load_into's first and second call in a fresh process each, warm")
+    ap.add_argument("--first-call", default="", help="list of CHUNK_MB[:MODEL_BUILD_S[:SUBMIT[:THREADS[:DEPTH[:PIN]]]]]: "
+                    "load_into's first and second call in a fresh process each, warm (PIN: thp or torch, "
+                    "transfer.PIN)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--skip-ceilings", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="warm calls per method")
@@ -705,13 +710,16 @@ def main() -> int:
     a = ap.parse_args()
     if a.submit:
         os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = a.submit
+    from atom_convert.serve import transfer
+    default_pin = transfer.PIN
     dev = torch.device("cuda", 0)
     torch.cuda.init()
     torch.empty(1, device=dev)  # a server's CUDA context exists before it loads weights
     files = make_files(a.workdir, a.files, int(a.file_gb * GB))
     if a.child:
-        c, prep, submit, threads, depth = (a.child.split(":") + [""] * 4)[:5]
+        c, prep, submit, threads, depth, pin = (a.child.split(":") + [""] * 5)[:6]
         threads = threads or "16"
+        use_pin(pin or default_pin)
         if submit:
             os.environ["ATOM_CONVERT_LOAD_SUBMIT"] = submit
         if depth:
@@ -731,7 +739,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         print(json.dumps({"chunk_mb": int(c), "model_build_s": float(prep or 0), "first": out[0], "second": out[1],
                           "submit": os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", "torch"), "threads": int(threads),
-                          "depth": int(os.environ.get("ATOM_CONVERT_LOAD_DEPTH", "2"))}))
+                          "depth": int(os.environ.get("ATOM_CONVERT_LOAD_DEPTH", "2")), "pin": transfer.PIN}))
         return 0
     if a.first_call:
         import subprocess
@@ -769,6 +777,8 @@ def main() -> int:
 
     def method(spec: str) -> tuple[Callable[[], Any], dict[str, float]]:
         st: dict[str, float] = {}
+        spec, _, pin = spec.partition("@")  # pipe16x32d2@torch: the pool pinned by torch (use_pin)
+        use_pin(pin or default_pin)
         if spec.startswith(("pipe", "rt")):  # pipe16x4d3: the pread pipeline, 16 threads, 4 MB chunks, 3 buffers
             # a thread, copies enqueued by torch; rt16x4d3: the same through the runtime's calls; rts: its events
             # wait asleep (blocking sync) instead of spinning

@@ -637,3 +637,82 @@ def test_a_bad_load_setting_is_named(converted, monkeypatch, var, value, says):
     monkeypatch.setattr(transfer.os, "open", lambda *a, **k: pytest.fail("a file was opened"))  # by the load itself
     with pytest.raises(BadInputError, match=says):
         transfer._place_cuda(reads, torch.device("cpu"), threads=None, chunk_bytes=None)
+
+
+class _FakeCudart:
+    """Stand-in for torch.cuda.cudart(): cudaHostRegister records its arguments and returns `code`."""
+
+    def __init__(self, code: int):
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, ptr, n, flags):  # noqa: N802  (the runtime's name)
+        self.calls.append((ptr, n, flags))
+        return self.code
+
+
+def _fresh_pool(monkeypatch: pytest.MonkeyPatch, pin: str, cudart: object) -> list[tuple]:
+    """transfer's pool emptied for the test, PIN set, cudart replaced; returns the list in which each
+    torch.empty(..., pin_memory=True) call's size is recorded (made as ordinary memory here)."""
+    from atom_convert.serve import transfer
+
+    monkeypatch.setattr(transfer, "_pools", {})
+    monkeypatch.setattr(transfer, "_mapped", [])
+    monkeypatch.setattr(transfer, "PIN", pin)
+    monkeypatch.setattr(transfer.torch.cuda, "cudart", lambda: cudart)
+    pinned: list[tuple] = []
+    real_empty = torch.empty
+
+    def empty(*a, **k):
+        if k.pop("pin_memory", False):
+            pinned.append(a)
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(transfer.torch, "empty", empty)
+    return pinned
+
+
+def test_pool_buffers_are_anonymous_memory_registered_as_page_locked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PIN "thp" (the default): a buffer is page-aligned anonymous memory of the chunk's size, registered
+    at its own address for every context (cudaHostRegisterPortable), written and read through the tensor;
+    the pool keeps it (asked again: the same buffer, no second registration); another index is another
+    buffer; nothing is pinned by torch."""
+    from atom_convert.serve import transfer
+
+    rt = _FakeCudart(0)
+    pinned = _fresh_pool(monkeypatch, "thp", rt)
+    chunk = 3 << 20
+    buf = transfer._pinned_buffer(5, chunk)
+    assert buf.dtype == torch.uint8 and buf.numel() == chunk and buf.data_ptr() % transfer.PAGE == 0
+    assert rt.calls == [(buf.data_ptr(), chunk, transfer.HOST_REGISTER_PORTABLE)]
+    fill = torch.randint(0, 256, (chunk,), dtype=torch.uint8)
+    buf.copy_(fill)
+    assert torch.equal(buf, fill)
+    assert transfer._pinned_buffer(5, chunk) is buf and len(rt.calls) == 1
+    other = transfer._pinned_buffer(6, chunk)
+    assert other.data_ptr() != buf.data_ptr() and rt.calls[1] == (other.data_ptr(), chunk, 1)
+    assert len(transfer._mapped) == 2 and pinned == []
+
+
+@pytest.mark.parametrize("pin, cudart", [("thp", _FakeCudart(2)), ("thp", object()), ("torch", _FakeCudart(0))],
+                         ids=["register-refused", "no-register-call", "pin-torch"])
+def test_pool_buffers_pinned_by_torch_when_not_registered(monkeypatch: pytest.MonkeyPatch, pin: str,
+                                                          cudart: object) -> None:
+    """A buffer the runtime refuses to register (an error code, or a runtime without the call), or PIN
+    "torch": torch's pinned allocator makes it, and no registered mapping is kept."""
+    from atom_convert.serve import transfer
+
+    pinned = _fresh_pool(monkeypatch, pin, cudart)
+    buf = transfer._pinned_buffer(0, 1 << 20)
+    assert buf.numel() == 1 << 20 and pinned == [(1 << 20,)]
+    assert transfer._mapped == []
+    if pin == "torch":
+        assert cudart.calls == []  # type: ignore[attr-defined]
+
+
+def test_an_unknown_pin_way_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atom_convert.errors import BadInputError
+    from atom_convert.serve import transfer
+
+    _fresh_pool(monkeypatch, "hugetlb", _FakeCudart(0))
+    with pytest.raises(BadInputError, match=r"ATOM_CONVERT_LOAD_PIN='hugetlb' is not one of thp, torch"):
+        transfer._pinned_buffer(0, 1 << 20)

@@ -59,6 +59,7 @@ PAGE = 4096
 READERS = ("pread", "mmap", "register")
 DEFAULT_READER = "pread"
 HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the mapping is PROT_READ
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: page-locked for every context of the process
 # A CPU tensor is a view of the mapping only when its file offset is a multiple of this: consumers
 # reinterpret rows as 16-byte units (shuffle16, SIMD loads), which a misaligned view refuses. The
 # writer packs tensors back to back (safetensors allows no gaps), so some tensors are copied.
@@ -192,20 +193,65 @@ def place_cpu(reads: list[FileRead]) -> int:
 
 _pool_lock = threading.Lock()
 _pools: dict[int, dict[int, torch.Tensor]] = {}  # chunk bytes -> buffer index -> pinned buffer
+# How the pool's buffers are page-locked: "thp" (anonymous memory on transparent huge pages, registered
+# with the runtime: cudaHostRegister) or "torch" (torch's pinned allocator: cudaHostAlloc, 4 KB pages).
+# Why thp: a server's first load waits for whatever of its pool the model's build did not leave time to
+# pin. On the H200 machine registering huge pages pinned 3.2-3.6 GB/s against torch's 1.8, and with a 1 s
+# build the first load ran at 85-92% of a second one against 71-86% (0.5 s: 88% against 63%; BENCHMARKS.md,
+# twenty-eighth round). A buffer that cannot be registered is torch's.
+PIN_WAYS = ("thp", "torch")
+PIN = os.environ.get("ATOM_CONVERT_LOAD_PIN", "thp")
+_mapped: list[mmap.mmap] = []  # the registered mappings: never unmapped while the process runs
+
+
+def _register(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of anonymous memory on huge pages where the kernel gives them, its pages made and
+    registered with the runtime as page-locked; None when the runtime refuses (the caller pins with
+    torch instead)."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # huge pages where the kernel's THP mode allows them, made in one call (Linux 5.14+); without
+    # either, 4 KB pages, faulted in by the registration itself
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_POPULATE_WRITE", 23)):
+        try:
+            if advice is not None:
+                mm.madvise(advice)
+        except OSError:
+            pass
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
+    err = register(t.data_ptr(), nbytes, HOST_REGISTER_PORTABLE) if register is not None else None
+    if err is None or int(getattr(err, "value", err)) != 0:
+        log.debug("load: registering %d bytes as page-locked failed (%s); pinning with torch", nbytes,
+                  err if err is not None else "the runtime has no cudaHostRegister")
+        del t
+        try:
+            mm.close()
+        except BufferError:  # still viewed somewhere: unmapped when the last view goes
+            pass
+        return None
+    with _pool_lock:
+        _mapped.append(mm)
+    return t
 
 
 def _pinned_buffer(index: int, chunk: int) -> torch.Tensor:
     """Pinned host buffer `index` of `chunk` bytes, kept for the process (a server loads the model
-    and its drafter). Pinning costs far more per byte than copying (bench/load_paths.py: 1.7 GB/s
-    through cudaHostAlloc on the H200 machine, serialised in the driver), so a buffer is made on
-    first use by the copy thread that owns it, or ahead of the load by `prepare_pool`."""
+    and its drafter). Pinning costs far more per byte than copying, and the driver serialises it,
+    so a buffer is made on first use by the copy thread that owns it, or ahead of the load by
+    `prepare_pool`; how, PIN says."""
     with _pool_lock:
         pool = _pools.setdefault(chunk, {})
         buf = pool.get(index)
     if buf is None:
-        buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+        if PIN not in PIN_WAYS:
+            raise BadInputError(f"ATOM_CONVERT_LOAD_PIN={PIN!r} is not one of {', '.join(PIN_WAYS)}; set it to "
+                                f"one, or unset it")
+        made = _register(chunk) if PIN == "thp" else None
+        buf = made if made is not None else torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
         with _pool_lock:
-            buf = pool.setdefault(index, buf)
+            if index in pool:  # another thread made it meanwhile: keep one (a registered spare stays mapped)
+                return pool[index]
+            pool[index] = buf
     return buf
 
 
