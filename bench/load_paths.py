@@ -189,27 +189,46 @@ def ours(files: list[Path], dev: torch.device, threads: int = 16, reader: str = 
     return run
 
 
+def mapped_jobs(files: list[Path], dsts: list[list[tuple[torch.Tensor, int, int]]], rng: int,
+                flags: int = mmap.MAP_SHARED) -> tuple[list[Any], list[tuple[Any, int, int, list[Any]]]]:
+    """Each file mapped read-only and cut into ranges of `rng` bytes from the page its first tensor
+    starts in: (the mappings, to keep alive; the jobs: (array, offset, length, pieces))."""
+    maps, jobs = [], []
+    for p, spans in zip(files, dsts):
+        fd = os.open(p, os.O_RDONLY)
+        mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+        os.close(fd)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        maps.append((mm, arr))
+        lo, hi = spans[0][1] // PAGE * PAGE, max(e for _, _, e in spans)
+        for a in range(lo, hi, rng):
+            b = min(a + rng, hi)
+            jobs.append((arr, a, b - a, pieces_of(spans, a, b)))
+    return maps, jobs
+
+
+def run_threads(work: Callable[[int], None], threads: int) -> None:
+    """work(w) on `threads` threads, joined; the read-only mappings' warning silenced (only read)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+
 def registered(files: list[Path], dev: torch.device, rng: int, threads: int, populate: bool,
-               stats: dict[str, float]) -> Callable[[], Any]:
+               stats: dict[str, float], register: bool = True) -> Callable[[], Any]:
+    """DMA straight from each file's mapping, registered in ranges of `rng` bytes by `threads` threads
+    (unregistered after); `register=False`: the same copies from the mapping as pageable memory."""
     hdrs = headers(files)
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart() if register else None
 
     def run() -> Any:
         dsts = destinations(hdrs, dev)
-        maps = []
-        jobs = []
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-        for p, h, spans in zip(files, hdrs, dsts):
-            fd = os.open(p, os.O_RDONLY)
-            mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
-            os.close(fd)
-            arr = np.frombuffer(mm, dtype=np.uint8)
-            maps.append((mm, arr))
-            lo = spans[0][1] // PAGE * PAGE
-            hi = max(e for _, _, e in spans)
-            for a in range(lo, hi, rng):
-                b = min(a + rng, hi)
-                jobs.append((arr, a, b - a, pieces_of(spans, a, b)))
+        maps, jobs = mapped_jobs(files, dsts, rng, mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
         it, lock = iter(jobs), threading.Lock()
         regs: list[int] = []
         reg_s = [0.0] * threads
@@ -223,28 +242,22 @@ def registered(files: list[Path], dev: torch.device, rng: int, threads: int, pop
                     if j is None:
                         break
                     arr, a, n, pcs = j
-                    ptr = arr[a:].ctypes.data
-                    t0 = time.perf_counter()
-                    err = cudart.cudaHostRegister(ptr, n, REG_READ_ONLY)
-                    reg_s[w] += time.perf_counter() - t0
-                    if int(getattr(err, "value", err)) != 0:
-                        raise RuntimeError(f"register failed {err}")
-                    with lock:
-                        regs.append(ptr)
+                    if register:
+                        ptr = arr[a:].ctypes.data
+                        t0 = time.perf_counter()
+                        err = cudart.cudaHostRegister(ptr, n, REG_READ_ONLY)
+                        reg_s[w] += time.perf_counter() - t0
+                        if int(getattr(err, "value", err)) != 0:
+                            raise RuntimeError(f"register failed {err}")
+                        with lock:
+                            regs.append(ptr)
                     src = torch.from_numpy(arr[a:a + n])
                     with torch.cuda.stream(st):
                         for d, at, ln in pcs:
                             d.copy_(src[at:at + ln], non_blocking=True)
                 st.synchronize()
 
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+        run_threads(work, threads)
         t0 = time.perf_counter()
         for ptr in regs:
             cudart.cudaHostUnregister(ptr)
@@ -258,48 +271,7 @@ def pageable(files: list[Path], dev: torch.device, threads: int, chunk: int) -> 
     """Copies straight from each file's read-only mapping (pageable memory) on T threads, a stream
     each: the runtime stages the bytes through its own small pinned buffers, which may stay in the
     CPU's caches (a byte would then cross host memory twice, not three times)."""
-    hdrs = headers(files)
-
-    def run() -> Any:
-        dsts = destinations(hdrs, dev)
-        maps, jobs = [], []
-        for p, h, spans in zip(files, hdrs, dsts):
-            fd = os.open(p, os.O_RDONLY)
-            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            os.close(fd)
-            arr = np.frombuffer(mm, dtype=np.uint8)
-            maps.append((mm, arr))
-            lo, hi = spans[0][1], max(e for _, _, e in spans)
-            for a in range(lo, hi, chunk):
-                b = min(a + chunk, hi)
-                jobs.append((arr, a, b - a, pieces_of(spans, a, b)))
-        it, lock = iter(jobs), threading.Lock()
-
-        def work(w: int) -> None:
-            with torch.cuda.device(dev):
-                st = torch.cuda.Stream(dev)
-                while True:
-                    with lock:
-                        j = next(it, None)
-                    if j is None:
-                        break
-                    arr, a, n, pcs = j
-                    src = torch.from_numpy(arr[a:a + n])
-                    with torch.cuda.stream(st):
-                        for d, at, ln in pcs:
-                            d.copy_(src[at:at + ln], non_blocking=True)
-                st.synchronize()
-
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-        return dsts
-    return run
+    return registered(files, dev, chunk, threads, False, {}, register=False)
 
 
 def direct(files: list[Path], dev: torch.device, threads: int, chunk: int) -> Callable[[], Any]:
