@@ -8,6 +8,7 @@ by `verify` against transformers' model of the source."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -691,6 +692,22 @@ def test_pool_buffers_are_anonymous_memory_registered_as_page_locked(monkeypatch
     other = transfer._pinned_buffer(6, chunk)
     assert other.data_ptr() != buf.data_ptr() and rt.calls[1] == (other.data_ptr(), chunk, 1)
     assert len(transfer._mapped) == 2 and pinned == []
+    # not inherited by a process forked later (MADV_DONTFORK): mapped here, absent in the child
+    assert _mapped_at(buf.data_ptr())
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if _mapped_at(buf.data_ptr()) else 0)
+    assert os.waitpid(pid, 0)[1] == 0, "the child inherited the pool's mapping"
+
+
+def _mapped_at(addr: int) -> bool:
+    """Whether this process has a mapping that holds `addr` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
 
 
 @pytest.mark.parametrize("pin, cudart", [("thp", _FakeCudart(2)), ("thp", object()), ("torch", _FakeCudart(0))],

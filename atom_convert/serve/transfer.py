@@ -210,8 +210,11 @@ def _register(nbytes: int) -> torch.Tensor | None:
     torch instead)."""
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # huge pages where the kernel's THP mode allows them, made in one call (Linux 5.14+); without
-    # either, 4 KB pages, faulted in by the registration itself
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_POPULATE_WRITE", 23)):
+    # either, 4 KB pages, faulted in by the registration itself. Not inherited by a process forked
+    # later (MADV_DONTFORK): a child has no use for the parent's DMA buffers, and the kernel would
+    # otherwise copy every pinned page into it at the fork.
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_POPULATE_WRITE", 23),
+                   getattr(mmap, "MADV_DONTFORK", None)):
         try:
             if advice is not None:
                 mm.madvise(advice)
