@@ -15,7 +15,7 @@ then measures, all in this one process after CUDA is initialised:
   `pipe16x32d2@torch`, and a sixth `--first-call` field;
 - `--concurrent`: the read half and a host-to-device stream at once but not chained, each one's rate
   beside the other's (do they contend for host memory, or does the chaining cost?).
-Each method's GPU bytes are compared with the files' on one sample per tensor.
+Each method's GPU bytes are compared with the files' at three 4 KB places per tensor (its start, middle, end).
 
     python bench/load_paths.py --workdir /tmp/lp [--files 4 --file-gb 0.5]
 """
