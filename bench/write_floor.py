@@ -170,7 +170,8 @@ def main() -> int:
     for _ in range(a.rounds):
         for p in (int(x) for x in a.procs.split(",")):
             for way in a.ways.split(","):
-                r = {"way": way, "procs": p, **({"share": a.share} if a.share and way.startswith(("shared", "make-")) else {}),
+                shares = a.share and way.startswith(("shared", "make-"))
+                r = {"way": way, "procs": p, **({"share": a.share} if shares else {}),
                      **measure(way, a.out, p, n, a.share)}
                 print(json.dumps(r), flush=True)
                 rep.append(r)

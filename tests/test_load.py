@@ -726,6 +726,19 @@ def test_pool_buffers_pinned_by_torch_when_not_registered(monkeypatch: pytest.Mo
         assert cudart.calls == []  # type: ignore[attr-defined]
 
 
+def test_the_pool_is_registered_by_default_and_torch_pinned_on_request() -> None:
+    """ATOM_CONVERT_LOAD_PIN unset: "thp"; set to torch: "torch" (read when the module is imported)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ATOM_CONVERT_LOAD_PIN"}
+    code = "from atom_convert.serve import transfer; print(transfer.PIN)"
+    for value, want in ((None, "thp"), ("torch", "torch")):
+        run_env = env if value is None else {**env, "ATOM_CONVERT_LOAD_PIN": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, out
+
+
 def test_an_unknown_pin_way_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     from atom_convert.errors import BadInputError
     from atom_convert.serve import transfer
