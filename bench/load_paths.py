@@ -439,9 +439,6 @@ def hybrid(files: list[Path], dev: torch.device, preaders: int, regs: int, group
     return run
 
 
-_keep: list[Any] = []
-
-
 def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int, submit: str = "torch",
              depth: int = 2) -> Callable[[], Any]:
     """The pipeline's GPU half alone: the same chunks and copies from pinned buffers, nothing read,
@@ -489,20 +486,14 @@ def h2d_only(files: list[Path], dev: torch.device, threads: int, chunk: int, sub
     return run
 
 
-def thp_pinned(nbytes: int, populate: bool = True) -> torch.Tensor:
-    """Page-locked host memory from an anonymous mapping backed by transparent huge pages,
-    registered with CUDA (instead of cudaHostAlloc's 4 KiB pages)."""
-    cudart = torch.cuda.cudart()
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(mmap.MADV_HUGEPAGE)
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    if populate:
-        mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-    err = cudart.cudaHostRegister(arr.ctypes.data, nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise RuntimeError(f"register failed {err}")
-    _keep.append((mm, arr))
-    return torch.from_numpy(arr)
+def thp_pinned(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory as the loader's pool makes it (transfer._register: an anonymous mapping
+    on transparent huge pages, registered with the runtime), kept for the process."""
+    from atom_convert.serve import transfer
+    t = transfer._register(nbytes)
+    if t is None:
+        raise RuntimeError(f"the runtime did not register {nbytes} bytes (transfer._register)")
+    return t
 
 
 def pool_rates(count: int = 32, chunk: int = 32 << 20) -> dict[str, float]:
