@@ -6,13 +6,20 @@ What it records, without changing the conversion (it wraps functions of the pack
   the item is handed to a process to the moment its "done" arrives);
 - every shard's hashing thread: its start and the moment it sealed the shard;
 - every 0.1 s the CPU time (user, sys) of the process and its worker processes, and each open shard's
-  written and hashed bytes.
+  written and hashed bytes;
+- in every process that converts (each worker process, or this one with threads): the seconds its
+  producers waited for a free slot in the write-behind queue, its writers waited for their turn at a
+  shard file, and spent in `pwrite`, with the bytes written (`Waits`);
+- the machine's busy cores over the call (/proc/stat: every process, not only this conversion's).
 
 It prints, per group, the items' span and their summed seconds; the end of the last item against the
 end of the last hash; and over the largest group's span the **cores busy** (process CPU seconds per
 second) against the **items running** (average number in progress). Many items running on few busy
-cores means the workers wait on something they share (BENCHMARKS.md, "Issue 9, fourth round"). The
-whole record goes to `--json` for plotting.
+cores means the workers wait on something they share (BENCHMARKS.md, "Issue 9, fourth round"). Then
+the items running in each tenth of the call, the waits summed over the processes, and what the order
+the items are handed out in costs: list scheduling of the measured item spans on the same number of
+workers, in that order and longest first, against a perfect balance (`list_schedule`; BENCHMARKS.md,
+twenty-ninth round). The whole record goes to `--json` for plotting.
 
 Usage: python bench/trace_convert.py SRC [--target gfx950] [--tp 8] [--workers N]
        [--worker-mode auto|process|thread] [--json out.json]
@@ -23,10 +30,12 @@ folder beside SRC, or `--dst`, and is removed afterwards.)
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +47,7 @@ if str(REPO) not in sys.path:
 
 from atom_convert.engine import procs as procs_mod  # noqa: E402
 from atom_convert.engine import workers as workers_mod  # noqa: E402
+from atom_convert.engine import write_behind as write_behind_mod  # noqa: E402
 from atom_convert.engine import writer as writer_mod  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -58,6 +68,94 @@ def tree_cpu() -> tuple[float, float]:
         except (OSError, IndexError, ValueError):
             pass
     return user, sys_
+
+
+def machine_busy() -> float:
+    """Seconds of CPU time the whole machine has spent busy (not idle, not waiting for I/O) since boot;
+    0.0 where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / _TICK
+
+
+def list_schedule(durations: list[float], workers: int) -> float:
+    """When the last of `durations` ends if each goes, in the order given, to the first worker free
+    (as run_items hands items out)."""
+    free = [0.0] * max(1, workers)
+    for d in durations:
+        heapq.heappush(free, heapq.heappop(free) + d)
+    return max(free)
+
+
+class Waits:
+    """What the converting threads of one process waited for: a free slot in their write-behind queue
+    (`_IOThread.submit`), their turn at a shard file (`_ShardIO._turn`), and `pwrite` (seconds and bytes).
+    Installed before the conversion, so worker processes inherit the wrappers at their fork; each one
+    starts from zero and leaves its sums in `folder` as <pid>.json when it ends."""
+
+    KEYS = ("queue_s", "turn_s", "pwrite_s", "pwrite_bytes")
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self._lock = threading.Lock()
+
+    def add(self, key: str, value: float) -> None:
+        with self._lock:
+            self.sums[key] += value
+
+    def install(self) -> None:
+        submit, turn, pwrite = write_behind_mod._IOThread.submit, writer_mod._ShardIO._turn, writer_mod._pwrite
+        init = procs_mod.WorkerProcesses.__init__
+        waits = self
+
+        def timed_submit(io: Any, *a: Any) -> None:
+            t = time.perf_counter()
+            try:
+                submit(io, *a)
+            finally:
+                waits.add("queue_s", time.perf_counter() - t)
+
+        def timed_turn(shard_io: Any, kind: int) -> bool:
+            t = time.perf_counter()
+            took = turn(shard_io, kind)
+            if kind != writer_mod.fcntl.F_UNLCK:
+                waits.add("turn_s", time.perf_counter() - t)
+            return took
+
+        def timed_pwrite(fd: int, data: memoryview, offset: int) -> int:
+            t = time.perf_counter()
+            n = pwrite(fd, data, offset)
+            waits.add("pwrite_s", time.perf_counter() - t)
+            waits.add("pwrite_bytes", n)
+            return n
+
+        def traced_init(pool: procs_mod.WorkerProcesses, n: int, *, start: Any, end: Any, **kw: Any) -> None:
+            def start_counting(send: Any) -> Any:  # in the worker, right after its fork
+                waits.sums = dict.fromkeys(waits.KEYS, 0.0)
+                return start(send)
+
+            def leave_sums(state: Any, ok: bool) -> None:
+                try:
+                    end(state, ok)
+                finally:
+                    (waits.folder / f"{os.getpid()}.json").write_text(json.dumps(waits.sums))
+            init(pool, n, start=start_counting, end=leave_sums, **kw)
+
+        write_behind_mod._IOThread.submit = timed_submit  # type: ignore[method-assign]
+        writer_mod._ShardIO._turn = timed_turn  # type: ignore[method-assign]
+        writer_mod._pwrite = timed_pwrite  # writer.py looks it up at each call
+        procs_mod.WorkerProcesses.__init__ = traced_init  # type: ignore[method-assign]
+
+    def collected(self) -> tuple[int, dict[str, float]]:
+        """(processes that left sums, their totals); this process's own sums when none did (threads)."""
+        found = [json.loads(p.read_text()) for p in sorted(self.folder.glob("*.json"))]
+        if not found:
+            return 1, dict(self.sums)
+        return len(found), {k: sum(f[k] for f in found) for k in self.KEYS}
 
 
 class Trace:
@@ -154,7 +252,26 @@ def summary(tr: Trace, start: float, end: float) -> list[str]:
             lines.append(f"  over {big[0]['group']} ({b - a:.2f} s): cores busy {busy:.1f}, items running {running:.1f}")
         else:
             lines.append(f"  over {big[0]['group']} ({b - a:.2f} s): cores busy not measured (shorter than two 0.1 s samples)")
+        lines.append("  items running per tenth of the call: " + " ".join(f"{x:.1f}" for x in running_profile(tr, start, end)))
     return lines
+
+
+def running_profile(tr: Trace, start: float, end: float, bins: int = 10) -> list[float]:
+    """The average number of items in progress in each of `bins` equal spans of [start, end]."""
+    width = max(end - start, 1e-9) / bins
+    out = []
+    for k in range(bins):
+        lo, hi = start + k * width, start + (k + 1) * width
+        out.append(sum(max(0.0, min(i["end"], hi) - max(i["start"], lo)) for i in tr.items) / width)
+    return out
+
+
+def order_cost(tr: Trace, workers: int) -> dict[str, float]:
+    """List scheduling of the measured item spans on `workers`: in the order they were handed out,
+    longest first, and the perfect balance (their sum over the workers)."""
+    spans = [i["end"] - i["start"] for i in sorted(tr.items, key=lambda i: i["start"])]
+    return {"handed_out": list_schedule(spans, workers), "longest_first": list_schedule(sorted(spans, reverse=True), workers),
+            "balanced": sum(spans) / max(1, workers)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,24 +292,36 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{dst} exists: remove it or pass another --dst")
     tr = Trace()
     tr.install()
+    scratch = Path(tempfile.mkdtemp(prefix="trace-waits-"))
+    waits = Waits(scratch)
+    waits.install()
     sampler = threading.Thread(target=tr.sample_forever, daemon=True)
     sampler.start()
-    start, c0 = tr.now(), tree_cpu()
+    start, c0, m0 = tr.now(), tree_cpu(), machine_busy()
     try:
         atom_convert.convert(args.src, dst, args.target, tp=args.tp, workers=args.workers,
                              worker_mode=args.worker_mode)
-        end, c1 = tr.now(), tree_cpu()
+        end, c1, m1 = tr.now(), tree_cpu(), machine_busy()
+        processes, sums = waits.collected()
     finally:
         tr.stop()
         shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     workers = args.workers or workers_mod.usable_cores()
     print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}): {end - start:.2f} s, CPU "
-          f"{c1[0] - c0[0]:.1f} user + {c1[1] - c0[1]:.1f} sys")
+          f"{c1[0] - c0[0]:.1f} user + {c1[1] - c0[1]:.1f} sys; the machine's cores busy {(m1 - m0) / (end - start):.1f}")
     print("\n".join(summary(tr, start, end)))
+    print(f"  waits in {processes} converting process(es): write-behind queue full {sums['queue_s']:.2f} s, turn at a "
+          f"shard file {sums['turn_s']:.2f} s, pwrite {sums['pwrite_s']:.2f} s for {sums['pwrite_bytes'] / 1e9:.2f} GB")
+    cost = order_cost(tr, workers)
+    if tr.items:
+        print(f"  the hand-out order: the item spans list-scheduled on {workers} workers end at {cost['handed_out']:.2f} s "
+              f"in that order, {cost['longest_first']:.2f} s longest first, {cost['balanced']:.2f} s balanced")
     if args.json:
         args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "start": start,
                                          "end": end, "items": tr.items, "hashes": tr.hashes,
-                                         "samples": tr.samples}) + "\n")
+                                         "samples": tr.samples, "machine_busy_s": m1 - m0,
+                                         "waits": {"processes": processes, **sums}, "order": cost}) + "\n")
     return 0
 
 

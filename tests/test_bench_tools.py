@@ -58,6 +58,27 @@ def test_trace_convert_records_every_item_and_shard(tiny_checkpoint: Callable[..
     assert not (tmp_path / "dst").exists()  # the output is removed
     assert len(rec["hashes"]) >= 2 and all(h["end"] >= h["start"] for h in rec["hashes"])  # a shard per rank at least
     assert "last item ends at" in text and "cores busy" in text and math.isfinite(rec["end"] - rec["start"])
+    # every tensor byte of every rank went through the wrapped pwrite, in the three worker processes
+    tensor_bytes = sum(o.nbytes for p in (plan.main, plan.mtp) if p is not None for o in p.outputs()
+                       for _ in range(1 if plan.is_common(o) else 2))
+    w = rec["waits"]
+    assert w["processes"] == 3 and w["pwrite_bytes"] >= tensor_bytes > 0, (w, tensor_bytes)
+    assert min(w["queue_s"], w["turn_s"], w["pwrite_s"]) >= 0 and "waits in 3 converting process(es)" in text
+    order = rec["order"]  # no schedule beats the perfect balance
+    assert order["handed_out"] >= order["balanced"] - 1e-9 and order["longest_first"] >= order["balanced"] - 1e-9
+    assert "the hand-out order" in text
+
+
+def test_trace_convert_list_schedule() -> None:
+    """Items go, in order, to the first free worker: [1, 1, 1, 1, 4] on 2 workers ends at 6 as handed out
+    (the 4 last, on a worker already at 2), at 4 longest first; one worker ends at the sum."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import trace_convert
+
+    assert trace_convert.list_schedule([1, 1, 1, 1, 4], 2) == 6
+    assert trace_convert.list_schedule([4, 1, 1, 1, 1], 2) == 4
+    assert trace_convert.list_schedule([1, 2, 3], 1) == 6 and trace_convert.list_schedule([], 3) == 0
 
 
 def _bench_convert():
