@@ -620,7 +620,8 @@ def test_read_chunk_falls_back_when_direct_reads_fail_and_names_a_truncated_file
     ("ATOM_CONVERT_LOAD_THREADS", "many", "ATOM_CONVERT_LOAD_THREADS='many': expected a whole number of at least 1"),
     ("ATOM_CONVERT_LOAD_CHUNK", "-4096", "ATOM_CONVERT_LOAD_CHUNK='-4096': expected a whole number of at least 1"),
     ("ATOM_CONVERT_LOAD_SUBMIT", "cuda", r"load submit 'cuda' is not one of torch, runtime \(ATOM_CONVERT_LOAD_SUBMIT\)"),
-    ("ATOM_CONVERT_LOAD_READER", "read", r"load reader 'read' is not one of pread, mmap, register \(ATOM_CONVERT_LOAD_READER\)")])
+    ("ATOM_CONVERT_LOAD_READER", "read", r"load reader 'read' is not one of pread, mmap, register \(ATOM_CONVERT_LOAD_READER\)"),
+    ("ATOM_CONVERT_LOAD_PIN", "hugetlb", r"ATOM_CONVERT_LOAD_PIN='hugetlb' is not one of thp, torch")])
 def test_a_bad_load_setting_is_named(converted, monkeypatch, var, value, says):
     """A load setting from the environment that is not a whole number >= 1 (or not one of its choices) is a
     BadInputError naming the variable and its value, before any file is opened or buffer pinned."""
@@ -632,6 +633,8 @@ def test_a_bad_load_setting_is_named(converted, monkeypatch, var, value, says):
     monkeypatch.setattr(transfer.torch, "cuda", _FakeCuda)
     monkeypatch.setattr(transfer, "_pinned_buffer", lambda index, size: pytest.fail("a buffer was asked for"))
     monkeypatch.setenv(var, value)
+    if var == "ATOM_CONVERT_LOAD_PIN":  # read when the module is imported
+        monkeypatch.setattr(transfer, "PIN", value)
     view = rank_view(d, 0)
     name, r = next(iter(view.tensors.items()))
     reads = [FileRead(d / r.file, read_header(d / r.file), [TensorSlot(name, r.dtype, r.shape)])]

@@ -237,6 +237,14 @@ def _register(nbytes: int) -> torch.Tensor | None:
     return t
 
 
+def _pin_way() -> str:
+    """PIN, or a BadInputError naming ATOM_CONVERT_LOAD_PIN when it is none of PIN_WAYS."""
+    if PIN not in PIN_WAYS:
+        raise BadInputError(f"ATOM_CONVERT_LOAD_PIN={PIN!r} is not one of {', '.join(PIN_WAYS)}; set it to one, "
+                            f"or unset it")
+    return PIN
+
+
 def _pinned_buffer(index: int, chunk: int) -> torch.Tensor:
     """Pinned host buffer `index` of `chunk` bytes, kept for the process (a server loads the model
     and its drafter). Pinning costs far more per byte than copying, and the driver serialises it,
@@ -246,10 +254,7 @@ def _pinned_buffer(index: int, chunk: int) -> torch.Tensor:
         pool = _pools.setdefault(chunk, {})
         buf = pool.get(index)
     if buf is None:
-        if PIN not in PIN_WAYS:
-            raise BadInputError(f"ATOM_CONVERT_LOAD_PIN={PIN!r} is not one of {', '.join(PIN_WAYS)}; set it to "
-                                f"one, or unset it")
-        made = _register(chunk) if PIN == "thp" else None
+        made = _register(chunk) if _pin_way() == "thp" else None
         buf = made if made is not None else torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
         with _pool_lock:
             if index in pool:  # another thread made it meanwhile: keep one (a registered spare stays mapped)
@@ -516,6 +521,7 @@ def _place_cuda(reads: list[FileRead], device: torch.device, *, threads: int | N
     submit = submit or os.environ.get("ATOM_CONVERT_LOAD_SUBMIT", DEFAULT_SUBMIT)
     if submit not in SUBMITTERS:
         raise BadInputError(f"load submit {submit!r} is not one of {', '.join(SUBMITTERS)} (ATOM_CONVERT_LOAD_SUBMIT)")
+    _pin_way()  # checked with the other settings, before a file is opened or a buffer pinned
     rt = runtime_calls.calls() if submit == "runtime" else None
     if submit == "runtime" and rt is None:
         log.debug("load: no runtime library found in the process; copies are enqueued by torch")
