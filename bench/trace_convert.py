@@ -49,6 +49,7 @@ from atom_convert.engine import procs as procs_mod  # noqa: E402
 from atom_convert.engine import workers as workers_mod  # noqa: E402
 from atom_convert.engine import write_behind as write_behind_mod  # noqa: E402
 from atom_convert.engine import writer as writer_mod  # noqa: E402
+from bench_convert import cpu_times  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -68,17 +69,6 @@ def tree_cpu() -> tuple[float, float]:
         except (OSError, IndexError, ValueError):
             pass
     return user, sys_
-
-
-def machine_busy() -> float:
-    """Seconds of CPU time the whole machine has spent busy (not idle, not waiting for I/O) since boot;
-    0.0 where /proc/stat cannot be read."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    return (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / _TICK
 
 
 def list_schedule(durations: list[float], workers: int) -> float:
@@ -297,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     waits.install()
     sampler = threading.Thread(target=tr.sample_forever, daemon=True)
     sampler.start()
-    start, c0, m0 = tr.now(), tree_cpu(), machine_busy()
+    start, c0, m0 = tr.now(), tree_cpu(), cpu_times()[1]
     try:
         atom_convert.convert(args.src, dst, args.target, tp=args.tp, workers=args.workers,
                              worker_mode=args.worker_mode)
-        end, c1, m1 = tr.now(), tree_cpu(), machine_busy()
+        end, c1, m1 = tr.now(), tree_cpu(), cpu_times()[1]
         processes, sums = waits.collected()
     finally:
         tr.stop()
