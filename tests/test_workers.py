@@ -354,7 +354,47 @@ def test_worker_processes_hold_one_item_each_within_the_budget(sources: Callable
     assert digest(tmp_path / "w3") == digest(ref) == digest(tmp_path / "one")
 
 
-def test_working_set_estimate() -> None:
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_every_ranks_column_slice_of_an_expert_comes_from_one_mapping(sources: Callable[..., Path], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """Under MoE-TP a rank's slice of down_proj is a column slice, which maps every page of the
+    tensor. One item makes every rank's slice of its experts, and each down_proj is viewed once and
+    its pages released once (not mapped and released once per rank); the output is the one that
+    one-rank items give."""
+    import collections
+    from atom_convert.files import source as source_mod
+
+    src = sources(fmt, 8)
+    views: collections.Counter[str] = collections.Counter()
+    drops: collections.Counter[tuple[int, int]] = collections.Counter()
+    named: dict[tuple[int, int], str] = {}  # (mapping, first byte) -> the tensor viewed there
+    real_view, real_drop = SourceCheckpoint._view, source_mod._MappedFile.drop
+
+    def view(self: SourceCheckpoint, info: Any, lo: int = 0, hi: Any = None) -> Any:
+        views[info.name] += 1
+        named[(id(self._mapping(info.file)), info.begin + lo)] = info.name
+        return real_view(self, info, lo, hi)
+
+    def drop(self: Any, lo: int, hi: int) -> None:
+        drops[(id(self), lo)] += 1
+        real_drop(self, lo, hi)
+
+    monkeypatch.setattr(SourceCheckpoint, "_view", view)
+    monkeypatch.setattr(source_mod._MappedFile, "drop", drop)
+    atom_convert.convert(src, tmp_path / "shared", target="gfx950", tp=8, workers=2, worker_mode="thread")
+    down = {n: c for n, c in views.items() if ".mlp.experts." in n and "down_proj.weight" in n}
+    assert down and set(down.values()) == {1}, sorted(down.items())[:4]
+    released = collections.Counter({named[k]: c for k, c in drops.items() if named.get(k) in down})
+    assert released == collections.Counter(down)  # released once each, after the last rank's slice
+    # the same bytes as items of one rank each (each maps every down_proj once per rank)
+    monkeypatch.setattr(wk, "shares_experts", lambda group: False)
+    views.clear()
+    atom_convert.convert(src, tmp_path / "apart", target="gfx950", tp=8, workers=2, worker_mode="thread")
+    assert {views[n] for n in down} == {8}
+    assert digest(tmp_path / "apart") == digest(tmp_path / "shared")
+
+
+def test_working_set_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
     """An expert stack's estimate is one expert's bytes times CHUNKS_PER_WORKER, not the stack."""
     import torch
 
@@ -369,7 +409,9 @@ def test_working_set_estimate() -> None:
     assert cost == wk.CHUNKS_PER_WORKER * 4096 * 7168 + wk._MIN_ITEM
     assert [i.rank for i in wk.items([Group("g", [stack, small])], 3)] == [0, 1, 2]
     # ranges per layer: enough for the workers, and about PART_SOURCE_BYTES of source per range
+    monkeypatch.setattr(wk, "ITEMS_PER_WORKER", 2)
     assert wk.parts_per_group(1, 8) == 1 and wk.parts_per_group(16, 8) == 4 and wk.parts_per_group(3, 2) == 3
+    assert wk.parts_per_group(16, 8, span=8) == 32  # an item per range: 2 per worker
     assert wk.parts_per_group(1, 8, wk.PART_SOURCE_BYTES) == 8  # 8 ranks' slices of the same experts
     assert wk.parts_per_group(2, 1, 5 * wk.PART_SOURCE_BYTES + 1) == 6
     # cut into ranges: range-major, each range for every rank before the next (workers.items)
@@ -377,9 +419,19 @@ def test_working_set_estimate() -> None:
     one = [i.part for i in wk.items([Group("g", [stack, small])], 1, workers=1)]  # 7.6 GB of experts, tp=1
     assert len(one) == -(-stack.nbytes // wk.PART_SOURCE_BYTES) == 8
     assert one[0][0] == 0 and one[-1][1] == 257 and all(a[1] == b[0] for a, b in zip(one, one[1:]))
+    # every rank reads slices of the same experts: one item per range makes it for every rank, range k
+    # starting at rank k (the items running at once write to different shards)
     cut = wk.items([Group("g", [stack, small])], 3, parts=2)
-    assert [(i.part, i.rank) for i in cut] == [((0, 128), 0), ((0, 128), 1), ((0, 128), 2),
-                                               ((128, 257), 0), ((128, 257), 1), ((128, 257), 2)]
+    assert [(i.part, i.ranks) for i in cut] == [((0, 128), [0, 1, 2]), ((128, 257), [1, 2, 0])]
+    assert [i.who for i in cut] == ["ranks 0-2", "ranks 0-2"]
+    # as many items per layer for the workers as with one rank per item: 2 per worker
+    little = OutTensor("w2", torch.uint8, (256, 7168, 256), (), noop, units=256)  # 470 MB per rank
+    assert len(wk.items([Group("g", [little, small])], 8, workers=16)) == 2 * 16
+    # EP: each rank reads its own experts, one item per (range, rank)
+    stack.rank_sources = [("a",), ("b",), ("c",)]
+    cut = wk.items([Group("g", [stack, small])], 3, parts=2)
+    assert [(i.part, i.ranks) for i in cut] == [((0, 128), [0]), ((0, 128), [1]), ((0, 128), [2]),
+                                                      ((128, 257), [0]), ((128, 257), [1]), ((128, 257), [2])]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -108,27 +108,32 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 def _item_outputs(item: workers_mod.Item, plan: ConversionPlan,
                   writer: ShardSetWriter) -> Iterator[tuple[OutTensor, int, int, tuple[int, int] | None]]:
-    """What `item` produces: (output, writer slot, rank to produce for, unit range or None).
-    The writer's slot `tp` holds the common files; a common tensor is produced once, by rank 0's
-    item (its split has one piece, so every rank's producer would yield the same bytes). An output
-    whose shard an interrupted run sealed is not produced at all."""
+    """What `item` produces: (output, writer slot, rank to produce for, unit range or None), rank
+    after rank. The writer's slot `tp` holds the common files; a common tensor is produced once,
+    by rank 0 (its split has one piece, so every rank's producer would yield the same bytes). An
+    output whose shard an interrupted run sealed is not produced at all."""
     tp = plan.tp
-    for out in item.group.outputs:
-        slot = tp if plan.is_common(out) else item.rank
-        takes, part = item.takes(out)
-        if not takes or (slot == tp and item.rank != 0) or writer.is_sealed(slot, out.name):
-            continue
-        yield out, slot, 0 if slot == tp else item.rank, part
+    for rank in item.ranks:
+        for out in item.group.outputs:
+            slot = tp if plan.is_common(out) else rank
+            takes, part = item.takes(out)
+            if not takes or (slot == tp and rank != 0) or writer.is_sealed(slot, out.name):
+                continue
+            yield out, slot, 0 if slot == tp else rank, part
 
 
 def _convert_item(item: workers_mod.Item, plan: ConversionPlan, writer: ShardSetWriter, io: _IOThread,
-                  pool: buffers.BufferPool) -> None:
-    """Produce and write one item, on a worker thread or in a worker process."""
+                  pool: buffers.BufferPool, src: SourceCheckpoint) -> None:
+    """Produce and write one item, on a worker thread or in a worker process. An item of several
+    ranks keeps the column views it reads for the next rank (workers.items says why)."""
     writer.use_io(io)
-    log.debug("%s (rank %d): converting", item.group.key, item.rank)
-    cache: dict[str, Any] = {}
-    with buffers.using(pool):
+    log.debug("%s (%s): converting", item.group.key, item.who)
+    with buffers.using(pool), (src.sharing_columns() if item.span > 1 else contextlib.nullcontext()):
+        cache: dict[str, Any] = {}
+        last: int | None = None
         for out, slot, rank, part in _item_outputs(item, plan, writer):
+            if rank != last:  # the cache is one rank's (plan.Producer)
+                cache, last = {}, rank
             chunks = out.produce(rank, cache) if part is None else out.produce(rank, cache, part=part)
             writer.write(slot, out, chunks, part)
     # Wait for this item's writes: queued buffers may be views of source pages, and the
@@ -170,7 +175,7 @@ def _worker_processes(n: int, plan: ConversionPlan, sets: dict[str, _SetWork], r
             writers[key] = ProcessShardWriter(root, job.subdir, job.shards, job.layout.plan.outputs(), kept, stop,
                                               fault, report=lambda f, a, n, lv: send(("w", f, a, n, lv)),
                                               direct=direct)
-        _convert_item(job.work[i], plan, writers[key], state["io"], state["pool"])
+        _convert_item(job.work[i], plan, writers[key], state["io"], state["pool"], src)
         return src.values.take()  # --allow-nonfinite records, merged by the parent
 
     def end(state: dict[str, Any], ok: bool) -> None:
@@ -223,11 +228,11 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
                     writer.open_shards(slot, [out.name])
                     files.update(src.info(n).file for n in out.sources_of(rank) if n in src)
                 src.wait_for(sorted(files))
-                log.debug("%s (rank %d): to a worker process", item.group.key, item.rank)
+                log.debug("%s (%s): to a worker process", item.group.key, item.who)
 
             def finished(item: workers_mod.Item, records: list[dict[str, Any]]) -> None:
                 src.values.merge(records)
-                log.debug("%s (rank %d): converted", item.group.key, item.rank)
+                log.debug("%s (%s): converted", item.group.key, item.who)
 
             pool.run_items(job.work, lambda i: (key, i), budget=budget, prepare=prepare,
                            message=lambda m: writer.written_elsewhere(m[1], m[2], m[3], m[4]), finished=finished)
@@ -235,7 +240,7 @@ def _write_set(key: str, job: _SetWork, root: Path, plan: ConversionPlan, progre
             def convert_item(item: workers_mod.Item, io: object) -> None:
                 assert isinstance(io, _IOThread)
                 reached(item)
-                _convert_item(item, plan, writer, io, buffer_pool)
+                _convert_item(item, plan, writer, io, buffer_pool, src)
 
             def end_worker(io: object) -> None:
                 if isinstance(io, _IOThread):

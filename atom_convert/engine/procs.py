@@ -264,7 +264,7 @@ class WorkerProcesses:
                 self.idle.remove(w)
             self.procs[w].join(1.0)
             if w in running or not stop.is_set():
-                where = (f" while converting {running[w].group.key} (rank {running[w].rank})" if w in running
+                where = (f" while converting {running[w].group.key} ({running[w].who})" if w in running
                          else " between items")
                 fail(w, WorkerDied(f"worker process {self.procs[w].pid} ended with exit status "
                                    f"{self.procs[w].exitcode}{where}; if the system killed it for memory, pass fewer "

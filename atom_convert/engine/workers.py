@@ -5,6 +5,7 @@ How it works:
    tensors for one rank; a layer's experts are further cut into contiguous ranges,
    one item each (`parts_per_group`), so that the cores find work inside one layer
    and the first items of a layer need not wait for all of its source to be read.
+   Under MoE tensor parallel an item makes its range for every rank (`items`).
    Items are handed out in load order (group-major,
    so at tp=8 sixteen workers hold one or two layers, not sixteen), each to the
    next free worker: a forked worker process (procs.py, the default with several
@@ -86,6 +87,19 @@ class Item:
     # A range [a, b) of the group's experts (its outputs with `units`), or None: all of them. The
     # item with a == 0 (or None) also produces the group's other outputs.
     part: tuple[int, int] | None = None
+    # The item produces ranks rank .. rank + span - 1, one after another, on one worker (`items`
+    # says when), starting at rank + first.
+    span: int = 1
+    first: int = 0
+
+    @property
+    def ranks(self) -> list[int]:
+        return [self.rank + (self.first + j) % self.span for j in range(self.span)]
+
+    @property
+    def who(self) -> str:
+        """For messages: 'rank 3', or 'ranks 0-7' for an item of several ranks."""
+        return f"rank {self.rank}" if self.span == 1 else f"ranks {self.rank}-{self.rank + self.span - 1}"
 
     def takes(self, out: OutTensor) -> tuple[bool, tuple[int, int] | None]:
         """Whether this item produces `out`, and which range of its units."""
@@ -104,16 +118,30 @@ class Item:
 PART_SOURCE_BYTES = 1 << 30
 
 
-def parts_per_group(workers: int, tp: int, unit_bytes: int = 0) -> int:
-    """How many items a rank's experts of one layer are cut into: enough that `workers` threads
-    find work inside one layer (DeepSeek-V3 at tp=8 has 8 (layer, rank) items per layer, and a
-    2-layer checkpoint only one MoE layer), and that one range of every rank reads at most
-    about PART_SOURCE_BYTES of source. `unit_bytes`: one rank's bytes of the group's expert
-    outputs; every rank reads a slice of the same experts (MoE-TP) or its own experts (EP):
-    tp times that is the layer's expert source, near enough (fp8 and MXFP4 stay as stored)."""
-    by_workers = -(-2 * workers // tp) if workers > 1 else 1
+# Items per worker in one layer of experts, at least: fewer leave the last items of a layer (and, in
+# a 2-layer checkpoint, of the conversion) on some cores while the others idle; more cost each item's
+# setup and its wait for the readahead. On the device, 4 against 2 and 8 (BENCHMARKS.md, thirtieth round).
+ITEMS_PER_WORKER = 4
+
+
+def parts_per_group(workers: int, tp: int, unit_bytes: int = 0, span: int = 1) -> int:
+    """How many ranges one layer's experts are cut into: enough that `workers` threads find
+    work inside one layer (a 2-layer checkpoint has only one MoE layer), and that one range of
+    every rank reads at most about PART_SOURCE_BYTES of source. There are tp / span items per
+    range (DeepSeek-V3 at tp=8 under EP: 8 (layer, rank) items per layer before any cut).
+    `unit_bytes`: one rank's bytes of the group's expert outputs; every rank reads a slice of the
+    same experts (MoE-TP) or its own experts (EP): tp times that is the layer's expert source,
+    near enough (fp8 and MXFP4 stay as stored)."""
+    by_workers = -(-ITEMS_PER_WORKER * workers * span // tp) if workers > 1 else 1
     by_bytes = -(-tp * unit_bytes // PART_SOURCE_BYTES)
     return max(1, by_workers, by_bytes)
+
+
+def shares_experts(group: Group) -> bool:
+    """Whether every rank reads slices of the same experts (MoE tensor parallel, or a plan with
+    one rank), not experts of its own (EP, `OutTensor.rank_sources`)."""
+    stacked = [o for o in group.outputs if o.units]
+    return bool(stacked) and all(o.rank_sources is None for o in stacked)
 
 
 # An item that cannot be cut (a group without experts) and writes at least this many bytes is handed
@@ -126,27 +154,39 @@ FIRST_ITEM_BYTES = 256 << 20
 
 def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = None) -> list[Item]:
     """Every (group, rank), group-major: the order the files are laid out in; a group with
-    experts is cut into `parts_per_group` items per rank, by contiguous expert ranges, handed out
-    range-major (range 0 of every rank, then range 1, ...). Why range-major: under MoE tensor
-    parallel every rank reads a slice of every expert, so the ranks working at once then read the
-    same experts (one range's source pages in the page cache, not the layer's, read in the order
-    the readahead brings them), and each rank's shard fills from its start, so its hashing thread
-    follows the conversion instead of hashing most of the layer after the last range. With several
-    workers, uncut items of FIRST_ITEM_BYTES or more come first, the largest first.
+    experts is cut into `parts_per_group` ranges of contiguous experts, handed out range-major
+    (range 0 of every rank, then range 1, ...). Why range-major: the ranks working at once then
+    read the same experts under MoE tensor parallel (one range's source pages in the page cache,
+    not the layer's, read in the order the readahead brings them), and each rank's shard fills
+    from its start, so its hashing thread follows the conversion instead of hashing most of the
+    layer after the last range.
+
+    Where every rank reads slices of the same experts (`shares_experts`), one item makes a range
+    for every rank (span tp): a rank's slice of a down_proj is a column slice, which touches every
+    page of the expert's down_proj, and one worker that makes every rank's slice while the pages
+    stay mapped (source.SourceCheckpoint.sharing_columns) faults them in once, not once per rank
+    on tp workers (BENCHMARKS.md, thirtieth round). Under EP each rank reads its own experts:
+    one item per (range, rank).
+
+    With several workers, uncut items of FIRST_ITEM_BYTES or more come first, the largest first.
     `parts`: that many ranges per group instead (tests)."""
     out = []
     for g in groups:
         cost = working_set(g.outputs)
         units = max((o.units for o in g.outputs), default=0)
+        span = tp if units and shares_experts(g) else 1
         if not units:
             n = 1
         else:
-            n = min(parts or parts_per_group(workers, tp, sum(o.nbytes for o in g.outputs if o.units)), units)
-        if n == 1:
+            n = min(parts or parts_per_group(workers, tp, sum(o.nbytes for o in g.outputs if o.units), span), units)
+        if n == 1 and span == 1:
             out.extend(Item(g, r, cost) for r in range(tp))
             continue
         for k in range(n):
-            out.extend(Item(g, r, cost, (k * units // n, (k + 1) * units // n)) for r in range(tp))
+            part = (k * units // n, (k + 1) * units // n)
+            # Range k starts at its k-th rank: the items running at once then write to different
+            # ranks' shards, not all to rank 0's and then all to rank 1's (writers of one file take turns).
+            out.extend(Item(g, r, cost, part, span, k % span) for r in range(0, tp, span))
     if workers > 1:
         size = {id(g): sum(o.nbytes for o in g.outputs) for g in groups}
         first = [i.part is None and size[id(i.group)] >= FIRST_ITEM_BYTES for i in out]

@@ -7,6 +7,11 @@ the process's resident set (madvise DONTNEED; they stay in the page cache), so
 the resident set stays bounded by what the current step holds. The files are
 mapped once: mapping and unmapping them per expert, per thread (safe_open),
 serialised the workers on the kernel's mmap lock (BENCHMARKS.md, issue 9).
+
+Column reads are the exception (`sharing_columns`): a rank's column slice of a
+row-major tensor touches every page of it, so while one worker makes every rank's
+slice of the same experts, the tensor's pages stay mapped until the last rank's
+slice is made, instead of being faulted in once per rank.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import mmap
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -134,6 +140,7 @@ class SourceCheckpoint:
         # pages leave the resident set when its last view goes instead (`_view`, madvise).
         self._maps: dict[str, _MappedFile] = {}
         self._maps_lock = threading.Lock()
+        self._local = threading.local()  # .columns: this thread's shared column views (sharing_columns)
         self._scan()
 
     # -- indexing --------------------------------------------------------------------
@@ -201,6 +208,7 @@ class SourceCheckpoint:
         parent had made stay valid; new ones are this process's. Files are read only once the
         parent's `wait_for` has returned for them, so nothing here waits for a download."""
         self._maps_lock = threading.Lock()
+        self._local = threading.local()
         self.values.after_fork()
         self._forked = True
 
@@ -266,12 +274,33 @@ class SourceCheckpoint:
         info = self.tensors[name]
         if start == 0 and stop == info.shape[1]:
             return self.get(name, check)
-        cols = self._view(info)[:, start:stop]
+        shared: dict[str, torch.Tensor] | None = getattr(self._local, "columns", None)
+        whole = None if shared is None else shared.get(name)
+        if whole is None:
+            whole = self._view(info)
+            if shared is not None:
+                shared[name] = whole
+        cols = whole[:, start:stop]
         if contiguous:
             cols = cols.contiguous()
         if check:
             self.values.check(name, info.file, cols, (0, start))
         return cols
+
+    @contextmanager
+    def sharing_columns(self) -> Iterator[None]:
+        """Within this block, on this thread, the column reads (`get_cols`) of one tensor share one
+        view of it, whose pages leave the resident set only after the block (when no chunk made
+        from them is still queued for writing). For a worker that makes every rank's slice of the
+        same experts (workers.Item.span): under MoE tensor parallel each rank's slice of a
+        down_proj is a column slice that touches every page of it, and a page faulted in once per
+        rank cost about two thirds of that read's time (BENCHMARKS.md, thirtieth round)."""
+        outer = getattr(self._local, "columns", None)
+        self._local.columns = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            self._local.columns = outer
 
     def recheck(self, name: str, t: torch.Tensor, origin: tuple[int, ...] = ()) -> Callable[[], None]:
         """The value check of `t` (read from `name` with check=False, at `origin`) as a call for
