@@ -22,6 +22,7 @@ Usage: python bench/moe_scaling.py SRC [--target gfx950] [--tp 8] [--workers 1,4
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -55,27 +56,28 @@ def moe_group(src: SourceCheckpoint, target: str, tp: int) -> tuple[Group, list[
     return g, outs
 
 
-def items_for(group: Group, outs: list[OutTensor], tp: int, workers: int) -> list[tuple[int, tuple[int, int]]]:
-    """(rank, expert range) as the converter cuts and orders them (workers.items)."""
+def items_for(group: Group, outs: list[OutTensor], tp: int, workers: int) -> list[tuple[list[int], tuple[int, int]]]:
+    """(ranks, expert range) as the converter cuts and orders them (workers.items)."""
     units = max(o.units for o in outs)
-    return [(it.rank, it.part or (0, units))
-            for it in workers_mod.items([group], tp, workers_mod.parts_per_group(workers, tp))]
+    return [(it.ranks, it.part or (0, units)) for it in workers_mod.items([group], tp, workers)]
 
 
-def run_item(outs: list[OutTensor], rank: int, part: tuple[int, int], fd: int | None,
+def run_item(src: SourceCheckpoint, outs: list[OutTensor], ranks: list[int], part: tuple[int, int], fd: int | None,
              pool: buffers.BufferPool) -> int:
+    """One item's chunks, rank after rank, sharing column views as the converter does."""
     n = 0
-    cache: dict[str, Any] = {}
-    with buffers.using(pool):
-        for o in outs:
-            for c in o.produce(rank, cache, part=part):
-                b = _as_bytes(c)
-                if fd is not None:
-                    mv = memoryview(b)
-                    while len(mv):
-                        mv = mv[os.write(fd, mv):]
-                n += b.nbytes
-                del b, c
+    with buffers.using(pool), (src.sharing_columns() if len(ranks) > 1 else contextlib.nullcontext()):
+        for rank in ranks:
+            cache: dict[str, Any] = {}
+            for o in outs:
+                for c in o.produce(rank, cache, part=part):
+                    b = _as_bytes(c)
+                    if fd is not None:
+                        mv = memoryview(b)
+                        while len(mv):
+                            mv = mv[os.write(fd, mv):]
+                    n += b.nbytes
+                    del b, c
     return n
 
 
@@ -91,7 +93,7 @@ def one_config(src_path: Path, target: str, tp: int, workers: int, mode: str, si
     c0, t0 = os.times(), time.perf_counter()
     total = 0
     if mode == "thread":
-        q: queue.SimpleQueue[tuple[int, tuple[int, int]] | None] = queue.SimpleQueue()
+        q: queue.SimpleQueue[tuple[list[int], tuple[int, int]] | None] = queue.SimpleQueue()
         for w in work:
             q.put(w)
         for _ in range(workers):
@@ -103,7 +105,7 @@ def one_config(src_path: Path, target: str, tp: int, workers: int, mode: str, si
             fd, pool, n = open_sink(i), buffers.BufferPool(1 << 30), 0
             try:
                 while (w := q.get()) is not None:
-                    n += run_item(outs, w[0], w[1], fd, pool)
+                    n += run_item(src, outs, w[0], w[1], fd, pool)
             except BaseException as e:  # noqa: BLE001  reported below
                 errors.append(e)
             finally:
@@ -128,7 +130,7 @@ def one_config(src_path: Path, target: str, tp: int, workers: int, mode: str, si
                 try:
                     os.close(rfd)
                     fd, pool = open_sink(i), buffers.BufferPool(1 << 30)
-                    n = sum(run_item(outs, r, p, fd, pool) for r, p in work[i::workers])
+                    n = sum(run_item(src, outs, r, p, fd, pool) for r, p in work[i::workers])
                     if fd is not None:
                         os.close(fd)
                     os.write(wfd, f"{n}\n".encode())

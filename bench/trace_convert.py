@@ -181,7 +181,8 @@ class Trace:
                 finished(item, result)
                 with trace._lock:
                     trace.items.append({"thread": "process", "group": item.group.key, "rank": item.rank,
-                                        "part": item.part, "start": started.pop(id(item)), "end": trace.now()})
+                                        "span": item.span, "part": item.part, "start": started.pop(id(item)),
+                                        "end": trace.now()})
             run_in_processes(pool, work, task, prepare=timed_prepare, finished=timed_finished, **kw)
 
         def traced_run_items(work: list[workers_mod.Item], do: Any, **kw: Any) -> None:
@@ -190,7 +191,8 @@ class Trace:
                 do(item, state)
                 with trace._lock:
                     trace.items.append({"thread": threading.current_thread().name, "group": item.group.key,
-                                        "rank": item.rank, "part": item.part, "start": a, "end": trace.now()})
+                                        "rank": item.rank, "span": item.span, "part": item.part, "start": a,
+                                        "end": trace.now()})
             run_items(work, timed, **kw)
 
         def traced_init(sh: writer_mod.ShardFile, *a: Any, **k: Any) -> None:
