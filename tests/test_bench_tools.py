@@ -290,3 +290,29 @@ def test_convert_then_load_reads_every_ranks_files_after_each_variant(tiny_check
     assert [r["variant"] for r in rep["runs"]] == ["direct", "keep-cached"] and rep["cold"] is False
     assert all(r["load"]["bytes"] == want and r["convert_s"] > 0 for r in rep["runs"]), (want, rep["runs"])
     assert "keep-cached" in text and list(work.iterdir()) == []
+
+
+def test_ab_packages_runs_each_version_from_its_own_root(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """Each version converts from its own copy of the package, with its constants set; a constant the
+    version lacks is refused, and the output folder is gone afterwards."""
+    src = tiny_checkpoint(PRESET, "fp8")
+    other = tmp_path / "other"
+    other.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD", "atom_convert"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(other)], input=archive.stdout, check=True)
+    out, dst = tmp_path / "ab.json", tmp_path / "dst"
+    text = _run("bench/ab_packages.py", str(src), "--version", f"old={other}", "--version", f"new={REPO}",
+                "--set", f"one={REPO}:atom_convert.engine.workers.ITEMS_PER_WORKER=1", "--tp", "2",
+                "--workers", "2", "--rounds", "2", "--dst", str(dst), "--json", str(out))
+    rec = json.loads(out.read_text())
+    assert {k: len(v) for k, v in rec["runs"].items()} == {"old": 2, "new": 2, "one": 2}, text
+    sizes = {r["out_bytes"] for v in rec["runs"].values() for r in v}
+    assert len(sizes) == 1 and sizes.pop() > 0
+    assert rec["versions"]["one"]["set"] == {"atom_convert.engine.workers.ITEMS_PER_WORKER": 1}
+    assert not dst.exists()
+    p = subprocess.run([sys.executable, "bench/ab_packages.py", str(src), "--version", f"a={REPO}", "--set",
+                        f"b={REPO}:atom_convert.engine.workers.NO_SUCH=1", "--tp", "2", "--rounds", "1", "--dst",
+                        str(dst)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "has no NO_SUCH" in p.stderr, p.stderr
+    assert not dst.exists()
