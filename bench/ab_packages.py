@@ -11,7 +11,9 @@ of the process and its worker processes (rusage); at the end, each version's bes
         [--tp 8] [--target gfx950] [--workers 16] [--rounds 4] [--dst /dev/shm/ab] [--json out.json]
 
 `--set LABEL=ROOT:MODULE.NAME=VALUE[,...]`: a version with module constants set (VALUE is JSON) before
-it converts. The output folder is removed before each conversion and at the end.
+it converts; an item without the `atom_convert.` prefix is a conversion option instead (`shard_size=500MB`:
+a field of ConversionOptions, the value as the option takes it). The output folder is removed before each
+conversion and at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 CHILD = r"""
 import glob, json, os, resource, sys, time
 root, src, dst, opts, sets = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5])
+opts.update(sets.pop("options", {}))
 sys.path.insert(0, root)
 import importlib
 import torch  # noqa: F401  (before the clock)
@@ -47,9 +50,10 @@ t0 = time.perf_counter()
 atom_convert.convert(src, dst, **opts)
 t = time.perf_counter() - t0
 s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-out = sum(os.path.getsize(p) for p in glob.glob(os.path.join(dst, "**", "*.safetensors"), recursive=True))
+files = glob.glob(os.path.join(dst, "**", "*.safetensors"), recursive=True)
 print(json.dumps({"seconds": t, "user": s.ru_utime - s0.ru_utime + c.ru_utime,
-                  "sys": s.ru_stime - s0.ru_stime + c.ru_stime, "out_bytes": out}))
+                  "sys": s.ru_stime - s0.ru_stime + c.ru_stime, "out_bytes": sum(map(os.path.getsize, files)),
+                  "out_files": len(files)}))
 """
 
 
@@ -62,9 +66,17 @@ def parse_version(text: str, with_sets: bool) -> tuple[str, Path, dict[str, Any]
         root, _, spec = rest.partition(":")
         for item in filter(None, spec.split(",")):
             target, _, value = item.partition("=")
-            if not target.startswith("atom_convert.") or not value:
-                sys.exit(f"ab_packages: --set {text!r}: {item!r} is not atom_convert.MODULE.NAME=VALUE")
-            sets[target] = json.loads(value)
+            if not value or not (target.startswith("atom_convert.") or target.isidentifier()):
+                sys.exit(f"ab_packages: --set {text!r}: {item!r} is neither atom_convert.MODULE.NAME=VALUE nor "
+                         f"OPTION=VALUE")
+            if target.startswith("atom_convert."):
+                sets[target] = json.loads(value)
+            else:  # a conversion option: JSON where it parses (numbers, true), else the text (500MB)
+                try:
+                    parsed = json.loads(value)
+                except json.JSONDecodeError:
+                    parsed = value
+                sets.setdefault("options", {})[target] = parsed
     path = Path(root).resolve()
     if not (path / "atom_convert" / "__init__.py").is_file():
         sys.exit(f"ab_packages: {root}: no atom_convert package there")
