@@ -302,17 +302,16 @@ def test_ab_packages_runs_each_version_from_its_own_root(tiny_checkpoint: Callab
     subprocess.run(["tar", "-x", "-C", str(other)], input=archive.stdout, check=True)
     out, dst = tmp_path / "ab.json", tmp_path / "dst"
     text = _run("bench/ab_packages.py", str(src), "--version", f"old={other}", "--version", f"new={REPO}",
-                "--set", f"one={REPO}:atom_convert.engine.workers.ITEMS_PER_WORKER=1",
-                "--set", f"small={REPO}:shard_size=64KB", "--tp", "2",
+                "--set", f"one={REPO}:atom_convert.engine.workers.ITEMS_PER_WORKER=1,shard_size=64KB", "--tp", "2",
                 "--workers", "2", "--rounds", "2", "--dst", str(dst), "--json", str(out))
     rec = json.loads(out.read_text())
-    assert {k: len(v) for k, v in rec["runs"].items()} == {"old": 2, "new": 2, "one": 2, "small": 2}, text
-    same = [r for k, v in rec["runs"].items() if k != "small" for r in v]
+    assert {k: len(v) for k, v in rec["runs"].items()} == {"old": 2, "new": 2, "one": 2}, text
+    same = rec["runs"]["old"] + rec["runs"]["new"]
     assert len({(r["out_bytes"], r["out_files"]) for r in same}) == 1 and same[0]["out_bytes"] > 0
-    assert rec["versions"]["one"]["set"] == {"atom_convert.engine.workers.ITEMS_PER_WORKER": 1}
-    # a conversion option given to one version: the same tensors cut into more files
-    assert rec["versions"]["small"]["set"] == {"options": {"shard_size": "64KB"}}
-    assert all(r["out_files"] > same[0]["out_files"] for r in rec["runs"]["small"])
+    # a module constant and a conversion option: the same tensors cut into more files
+    assert rec["versions"]["one"]["set"] == {"atom_convert.engine.workers.ITEMS_PER_WORKER": 1,
+                                             "options": {"shard_size": "64KB"}}
+    assert all(r["out_files"] > same[0]["out_files"] for r in rec["runs"]["one"])
     assert not dst.exists()
     p = subprocess.run([sys.executable, "bench/ab_packages.py", str(src), "--version", f"a={REPO}", "--set",
                         f"b={REPO}:atom_convert.engine.workers.NO_SUCH=1", "--tp", "2", "--rounds", "1", "--dst",
