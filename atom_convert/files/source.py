@@ -294,7 +294,7 @@ class SourceCheckpoint:
         from them is still queued for writing). For a worker that makes every rank's slice of the
         same experts (workers.Item.span): under MoE tensor parallel each rank's slice of a
         down_proj is a column slice that touches every page of it, and a page faulted in once per
-        rank cost about two thirds of that read's time (BENCHMARKS.md, thirtieth round)."""
+        rank cost about two thirds of that read's time (BENCHMARKS.md, twenty-ninth round)."""
         outer = getattr(self._local, "columns", None)
         self._local.columns = {} if outer is None else outer
         try:
