@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--workers", type=int, default=None, help="default: every usable core")
     ap.add_argument("--worker-mode", default="auto", choices=("auto", "process", "thread"))
+    ap.add_argument("--shard-size", default=None, help="the conversion's shard size (default: the tool's)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole record here")
     args = ap.parse_args(argv)
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     start, c0, m0 = tr.now(), tree_cpu(), cpu_times()[1]
     try:
         atom_convert.convert(args.src, dst, args.target, tp=args.tp, workers=args.workers,
-                             worker_mode=args.worker_mode)
+                             worker_mode=args.worker_mode, shard_size=args.shard_size)
         end, c1, m1 = tr.now(), tree_cpu(), cpu_times()[1]
         processes, sums = waits.collected()
     finally:
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dst, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     workers = args.workers or workers_mod.usable_cores()
-    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}): {end - start:.2f} s, CPU "
+    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}) shard size {args.shard_size or 'default'}: {end - start:.2f} s, CPU "
           f"{c1[0] - c0[0]:.1f} user + {c1[1] - c0[1]:.1f} sys; the machine's cores busy {(m1 - m0) / (end - start):.1f}")
     print("\n".join(summary(tr, start, end)))
     print(f"  waits in {processes} converting process(es): write-behind queue full {sums['queue_s']:.2f} s, turn at a "
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the hand-out order: the item spans list-scheduled on {workers} workers end at {cost['handed_out']:.2f} s "
               f"in that order, {cost['longest_first']:.2f} s longest first, {cost['balanced']:.2f} s balanced")
     if args.json:
-        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "start": start,
+        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "shard_size": args.shard_size, "start": start,
                                          "end": end, "items": tr.items, "hashes": tr.hashes,
                                          "samples": tr.samples, "machine_busy_s": m1 - m0,
                                          "waits": {"processes": processes, **sums}, "order": cost}) + "\n")

@@ -47,7 +47,7 @@ def test_trace_convert_records_every_item_and_shard(tiny_checkpoint: Callable[..
     src = tiny_checkpoint(PRESET, "fp8")
     out = tmp_path / "trace.json"
     text = _run("bench/trace_convert.py", str(src), "--tp", "2", "--workers", "3", "--dst", str(tmp_path / "dst"),
-                "--json", str(out))
+                "--shard-size", "64KB", "--json", str(out))
     rec = json.loads(out.read_text())
     plan = make_plan(SourceCheckpoint(src), tp=2)
     expected = workers.items(plan.main.groups, 2, 3)
@@ -56,7 +56,8 @@ def test_trace_convert_records_every_item_and_shard(tiny_checkpoint: Callable[..
     assert sorted((i["group"], i["rank"], i["part"] and tuple(i["part"])) for i in rec["items"]) == \
         sorted((i.group.key, i.rank, i.part) for i in expected)
     assert not (tmp_path / "dst").exists()  # the output is removed
-    assert len(rec["hashes"]) >= 2 and all(h["end"] >= h["start"] for h in rec["hashes"])  # a shard per rank at least
+    # the shard size reached the conversion: each rank's tensors are cut over several files
+    assert rec["shard_size"] == "64KB" and len(rec["hashes"]) > 2 and all(h["end"] >= h["start"] for h in rec["hashes"])
     assert "last item ends at" in text and "cores busy" in text and math.isfinite(rec["end"] - rec["start"])
     # every tensor byte of every rank went through the wrapped pwrite, in the three worker processes
     tensor_bytes = sum(o.nbytes for p in (plan.main, plan.mtp) if p is not None for o in p.outputs()
