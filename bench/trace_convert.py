@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import importlib
 import json
 import os
 import shutil
@@ -275,10 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="default: every usable core")
     ap.add_argument("--worker-mode", default="auto", choices=("auto", "process", "thread"))
     ap.add_argument("--shard-size", default=None, help="the conversion's shard size (default: the tool's)")
+    ap.add_argument("--set", action="append", default=[], metavar="atom_convert.MODULE.NAME=JSON",
+                    help="a module constant set before the conversion (repeatable)")
     ap.add_argument("--json", type=Path, default=None, help="write the whole record here")
     args = ap.parse_args(argv)
 
     import atom_convert
+    import atom_convert.engine.convert  # noqa: F401  (the engine's modules, for --set)
+
+    for item in args.set:
+        target, eq, value = item.partition("=")
+        mod, _, name = target.rpartition(".")
+        if not eq or not mod.startswith("atom_convert") or not hasattr(importlib.import_module(mod), name):
+            raise SystemExit(f"--set {item!r}: expected atom_convert.MODULE.NAME=JSON naming a constant")
+        setattr(importlib.import_module(mod), name, json.loads(value))
 
     dst = args.dst or args.src.parent / f"{args.src.name}-trace-out"
     if dst.exists():
@@ -301,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dst, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     workers = args.workers or workers_mod.usable_cores()
-    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}) shard size {args.shard_size or 'default'}: {end - start:.2f} s, CPU "
+    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}) shard size {args.shard_size or 'default'}{''.join(' ' + x for x in args.set)}: {end - start:.2f} s, CPU "
           f"{c1[0] - c0[0]:.1f} user + {c1[1] - c0[1]:.1f} sys; the machine's cores busy {(m1 - m0) / (end - start):.1f}")
     print("\n".join(summary(tr, start, end)))
     print(f"  waits in {processes} converting process(es): write-behind queue full {sums['queue_s']:.2f} s, turn at a "
@@ -311,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the hand-out order: the item spans list-scheduled on {workers} workers end at {cost['handed_out']:.2f} s "
               f"in that order, {cost['longest_first']:.2f} s longest first, {cost['balanced']:.2f} s balanced")
     if args.json:
-        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "shard_size": args.shard_size, "start": start,
+        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "shard_size": args.shard_size,
+                                         "set": args.set, "start": start,
                                          "end": end, "items": tr.items, "hashes": tr.hashes,
                                          "samples": tr.samples, "machine_busy_s": m1 - m0,
                                          "waits": {"processes": processes, **sums}, "order": cost}) + "\n")

@@ -394,6 +394,45 @@ def test_every_ranks_column_slice_of_an_expert_comes_from_one_mapping(sources: C
     assert digest(tmp_path / "apart") == digest(tmp_path / "shared")
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_alternate_output_order_flips_the_odd_passes_and_changes_no_byte(sources: Callable[..., Path], tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         ep: bool) -> None:
+    """ALTERNATE_OUTPUT_ORDER: the items of every second pass over the ranks make each rank's outputs
+    in reverse order (so two items at one rank write different tensors); the files are the same."""
+    from atom_convert.engine import convert as convert_mod
+
+    src = sources("fp8", 8)
+    seen: list[tuple[Any, ...]] = []
+    real = convert_mod._item_outputs
+
+    def record(item: wk.Item, plan: Any, writer: Any) -> Any:
+        outs = list(real(item, plan, writer))
+        seen.append(((item.group.key, item.part), item.ranks[0], item.reverse, [(o.name, r) for o, _, r, _ in outs]))
+        return iter(outs)
+
+    monkeypatch.setattr(convert_mod, "_item_outputs", record)
+    opts = dict(target="gfx950", tp=8, ep=ep, workers=3, worker_mode="thread", shard_size="256KB")
+    atom_convert.convert(src, tmp_path / "plain", **opts)
+    assert seen and not any(rev for _, _, rev, _ in seen)
+    plain = {(part, first): outs for part, first, _, outs in seen}
+    seen.clear()
+    monkeypatch.setattr(wk, "ALTERNATE_OUTPUT_ORDER", True)
+    atom_convert.convert(src, tmp_path / "alt", **opts)
+    flipped = [(part, first, outs) for part, first, rev, outs in seen if rev]
+    assert flipped and len(flipped) < len(seen)
+    for part, first, outs in flipped:  # the same outputs, each rank's in reverse order
+        ranks = list(dict.fromkeys(r for _, r in outs))
+        assert outs == [x for r in ranks for x in reversed([y for y in plain[(part, first)] if y[1] == r])]
+    # a pass over the ranks: tp ranges of one item each (MoE-TP), or one range of tp items (EP)
+    cut = [(key, part, rev) for (key, part), _, rev, _ in seen if part is not None]
+    parts = {key: sorted({p for k, p, _ in cut if k == key}) for key, _, _ in cut}
+    passes = [parts[key].index(part) // (1 if ep else 8) for key, part, _ in cut]
+    assert max(passes) >= 1, parts
+    assert [rev for _, _, rev in cut] == [p % 2 == 1 for p in passes]
+    assert digest(tmp_path / "alt") == digest(tmp_path / "plain")
+
+
 def test_working_set_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
     """An expert stack's estimate is one expert's bytes times CHUNKS_PER_WORKER, not the stack."""
     import torch

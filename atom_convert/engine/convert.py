@@ -113,8 +113,9 @@ def _item_outputs(item: workers_mod.Item, plan: ConversionPlan,
     by rank 0 (its split has one piece, so every rank's producer would yield the same bytes). An
     output whose shard an interrupted run sealed is not produced at all."""
     tp = plan.tp
+    outputs = item.group.outputs[::-1] if item.reverse else item.group.outputs
     for rank in item.ranks:
-        for out in item.group.outputs:
+        for out in outputs:
             slot = tp if plan.is_common(out) else rank
             takes, part = item.takes(out)
             if not takes or (slot == tp and rank != 0) or writer.is_sealed(slot, out.name):

@@ -91,6 +91,8 @@ class Item:
     # says when), starting at rank + first.
     span: int = 1
     first: int = 0
+    # Each rank's outputs in the reverse of the group's order (ALTERNATE_OUTPUT_ORDER).
+    reverse: bool = False
 
     @property
     def ranks(self) -> list[int]:
@@ -144,6 +146,12 @@ def shares_experts(group: Group) -> bool:
     return bool(stacked) and all(o.rank_sources is None for o in stacked)
 
 
+# Items of the odd passes over the ranks make each rank's outputs in reverse order, so that the two
+# items at one rank at once (16 workers, tp 8) write different tensors, which a smaller shard size puts
+# in different files (a file takes one write at a time). An experiment: off until measured.
+ALTERNATE_OUTPUT_ORDER = False
+
+
 # An item that cannot be cut (a group without experts) and writes at least this many bytes is handed
 # out first, the largest first. Why: in load order lm_head came last; at tp 1 (1.85 GB at DeepSeek-V3
 # width) it then kept one worker busy alone at the end while the other cores idled (BENCHMARKS.md,
@@ -186,7 +194,8 @@ def items(groups: list[Group], tp: int, workers: int = 1, parts: int | None = No
             part = (k * units // n, (k + 1) * units // n)
             # Range k starts at its k-th rank: the items running at once then write to different
             # ranks' shards, not all to rank 0's and then all to rank 1's (writers of one file take turns).
-            out.extend(Item(g, r, cost, part, span, k % span) for r in range(0, tp, span))
+            flip = ALTERNATE_OUTPUT_ORDER and (k * (tp // span) // tp) % 2 == 1
+            out.extend(Item(g, r, cost, part, span, k % span, flip) for r in range(0, tp, span))
     if workers > 1:
         size = {id(g): sum(o.nbytes for o in g.outputs) for g in groups}
         first = [i.part is None and size[id(i.group)] >= FIRST_ITEM_BYTES for i in out]
