@@ -159,3 +159,28 @@ def test_a_failed_conversion_stops_the_preallocation_and_leaves_nothing(
     while _alloc_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _alloc_threads() == []
+
+
+@pytest.mark.skipif(writer_mod._OFD_SETLKW is None, reason="no open-file-description locks here")
+def test_each_step_takes_the_files_turn(tmp_path: Path) -> None:
+    """A step waits while a writer (another open file description) holds the file's turn, and gives
+    the turn back after each step."""
+    import fcntl
+
+    path = tmp_path / "shard.partial"
+    path.write_bytes(b"")
+    sh = object.__new__(writer_mod.ShardFile)  # the fields preallocate reads
+    sh.size, sh.aborted, sh.closed, sh.turns = 3 * STEP, False, False, True
+    writer = os.open(path, os.O_RDWR)
+    fcntl.fcntl(writer, writer_mod._OFD_SETLKW, writer_mod._flock_struct(fcntl.F_WRLCK))
+    t = threading.Thread(target=sh.preallocate, args=(os.open(path, os.O_WRONLY), STEP))
+    t.start()
+    t.join(0.5)
+    try:
+        assert t.is_alive() and path.stat().st_size == 0  # waiting for the turn, nothing allocated
+    finally:
+        fcntl.fcntl(writer, writer_mod._OFD_SETLKW, writer_mod._flock_struct(fcntl.F_UNLCK))
+    t.join(10)
+    assert not t.is_alive() and path.stat().st_size == 3 * STEP and path.read_bytes() == bytes(3 * STEP)
+    fcntl.fcntl(writer, fcntl.F_OFD_SETLK, writer_mod._flock_struct(fcntl.F_WRLCK))  # given back: free at once
+    os.close(writer)

@@ -406,14 +406,22 @@ class ShardFile(_ShardIO):
             self.close_fd()
 
     def preallocate(self, fd: int, step: int) -> None:
-        """Allocate the file's pages from its start, `step` bytes at a time, on `fd` (a duplicate this
-        thread closes), until done or the shard is aborted or closed. Best effort: a full file system
-        is reported by the write that meets it."""
+        """Allocate the file's pages from its start, `step` bytes at a time, through `fd` (an open
+        file description of its own, which this thread closes), until done or the shard is aborted
+        or closed. Each step takes the file's turn (TAKE_TURNS) like a write, so that the writers
+        wait for it asleep. Best effort: a full file system is reported by the write that meets it."""
+        turns = TAKE_TURNS and self.turns and _OFD_SETLKW is not None
         try:
             off = 0
             while off < self.size and not (self.aborted or self.closed):
                 n = min(step, self.size - off)
-                _fallocate(fd, off, n)
+                if turns:
+                    fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_WRLCK))
+                try:
+                    _fallocate(fd, off, n)
+                finally:
+                    if turns:
+                        fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_UNLCK))
                 off += n
         except (OSError, AttributeError):  # AttributeError: a C library without fallocate
             pass
@@ -556,8 +564,13 @@ class ShardSetWriter:
                 sh.thread = t
                 self._write(sh, _Piece(0, header))
                 if PREALLOCATE > 0 and sh.fs_type == _TMPFS_MAGIC:
-                    threading.Thread(target=sh.preallocate, args=(os.dup(sh.fd), PREALLOCATE),
-                                     name=f"atom-convert-alloc-{plan.file}", daemon=True).start()
+                    try:  # a description of its own (the same inode, never the name again): it takes turns
+                        afd = os.open(f"/proc/self/fd/{sh.fd}", os.O_WRONLY | os.O_CLOEXEC)
+                    except OSError:
+                        afd = None
+                    if afd is not None:
+                        threading.Thread(target=sh.preallocate, args=(afd, PREALLOCATE),
+                                         name=f"atom-convert-alloc-{plan.file}", daemon=True).start()
         return sh
 
     def open_shards(self, slot: int, names: Iterable[str]) -> None:
