@@ -61,8 +61,9 @@ def test_preallocated_shards_are_the_same_bytes(tiny_checkpoint: Callable[..., P
                                                 mode: str) -> None:
     src = tiny_checkpoint(PRESET, "fp8")
     opts: dict[str, Any] = dict(target="gfx950", tp=2, workers=3, worker_mode=mode, shard_size="1MB")
+    monkeypatch.setattr(writer_mod, "PREALLOCATE", 0)
     atom_convert.convert(src, tmp_path / "plain", **opts)
-    assert as_tmpfs == []  # off by default
+    assert as_tmpfs == []  # 0: off
     monkeypatch.setattr(writer_mod, "PREALLOCATE", STEP)
     atom_convert.convert(src, tmp_path / "pre", **opts)
     assert _files(tmp_path / "pre") == _files(tmp_path / "plain")
