@@ -148,7 +148,8 @@ def shares_experts(group: Group) -> bool:
 
 # Items of the odd passes over the ranks make each rank's outputs in reverse order, so that the two
 # items at one rank at once (16 workers, tp 8) write different tensors, which a smaller shard size puts
-# in different files (a file takes one write at a time). An experiment: off until measured.
+# in different files (a file takes one write at a time). Off: on the 2-core box it changed nothing, with
+# 256 MB shards or without (BENCHMARKS.md, thirty-second round); on 16 cores it is not yet measured.
 ALTERNATE_OUTPUT_ORDER = False
 
 
