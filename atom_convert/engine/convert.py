@@ -26,7 +26,6 @@ DST is never half-written.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from ..layout.options import ConversionOptions, check_count, check_flag, check_p
 from .planning import MTP_DIR, SetLayout, layout_shards, make_plan, planned_shards
 from ..layout.plan import ConversionPlan, OutTensor, ShardPlan
 from .prefetch import Prefetcher
+from ..files import libc
 from ..files.reading import loads, read_regular
 from ..files.safetensors import side_files
 from ..files.source import SourceCheckpoint
@@ -77,11 +77,7 @@ def _large_allocations_via_mmap() -> None:
     block to the system when it is freed. Process-wide and harmless elsewhere: it is
     glibc's own default behaviour before its threshold adapts.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    libc.set_mmap_threshold(1 << 20)  # not glibc: nothing to do
 
 
 @contextlib.contextmanager

@@ -42,8 +42,10 @@ import os
 import sys
 import threading
 import time
+import types
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ..files import libc
 from .workers import available_memory
 
 if TYPE_CHECKING:
@@ -65,19 +67,11 @@ def default_ahead() -> int:
 
 
 def _libc_calls() -> Any:
-    """libc's mmap, madvise and munmap through ctypes, which releases the GIL around each call:
-    a populate waits for the disk, and Python's own mmap.madvise holds the GIL meanwhile, which
-    would stall the hashing threads and the dispatch of this process. None where unavailable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int64]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return libc if ctypes.sizeof(ctypes.c_void_p) == 8 else None  # off_t is 64-bit there
-    except (OSError, AttributeError):
-        return None
+    """libc's mmap, madvise and munmap (files/libc.py): through ctypes, which releases the GIL around
+    each call. A populate waits for the disk, and Python's own mmap.madvise holds the GIL meanwhile,
+    which would stall the hashing threads and the dispatch of this process. None where unavailable."""
+    calls = {name: libc.function(name) for name in ("mmap", "madvise", "munmap")}
+    return types.SimpleNamespace(**calls) if all(calls.values()) else None
 
 
 _LIBC = _libc_calls() if _MADV_POPULATE_READ is not None else None

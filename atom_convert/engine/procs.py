@@ -45,6 +45,7 @@ import warnings
 from typing import Any, Callable
 
 from ..errors import AtomConvertError
+from ..files import libc
 from .workers import Budget, Item, first_error
 
 STOP_WAIT_S = 10.0  # after a stop, how long running workers may take to notice before they are killed
@@ -104,11 +105,7 @@ def _portable(e: BaseException) -> bytes:
 def _die_with_parent(parent: int) -> None:
     """Ask the kernel to SIGKILL this process when the parent dies (Linux; elsewhere the closed
     pipe ends it at its next message)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    libc.set_parent_death_signal(int(signal.SIGKILL))
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import functools
 import hashlib
 import mmap
 import os
@@ -50,6 +49,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import AtomConvertError
+from ..files.libc import TMPFS_MAGIC as _TMPFS_MAGIC, fallocate as _fallocate, fs_type as _fs_type
 from ..store import digest
 from ..store.manifest import WrittenFile
 from ..layout.plan import OutTensor, ShardPlan
@@ -80,35 +80,7 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> int:
 DIRECT_MIN_BYTES = 1 << 20  # 0: every byte through the page cache
 _DIRECT_ALIGN = 4096  # memory alignment O_DIRECT needs (a logical block of any disk)
 _BOUNCE_BYTES = 8 << 20  # an aligned copy of a buffer whose memory is not aligned, this much at a time
-_TMPFS_MAGIC = 0x01021994
 _bounce = threading.local()  # per writing thread: its aligned copy buffer
-
-
-@functools.lru_cache(maxsize=None)
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _fs_type(fd: int) -> int | None:
-    """The file system's magic number of an open file (fstatfs), None where it cannot be read."""
-    try:
-        libc = _libc()
-        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
-        if libc.fstatfs(fd, buf) != 0:
-            return None
-        return struct.unpack_from("l", buf.raw)[0]
-    except (OSError, AttributeError):
-        return None
-
-
-def _fallocate(fd: int, offset: int, length: int) -> None:
-    """Allocate the file's pages in [offset, offset + length) (fallocate(2), mode 0: no byte that is
-    there changes). The system call itself: glibc's posix_fallocate writes zeros where a file system
-    has no fallocate, which could overwrite a concurrent writer's bytes."""
-    libc = _libc()
-    if libc.fallocate(fd, 0, ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
 
 
 def _direct_fd(fd: int, fs_type: int | None) -> int | None:
@@ -425,7 +397,7 @@ class ShardFile(_ShardIO):
                     if turns:
                         fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_UNLCK))
                 off += n
-        except (OSError, AttributeError):  # AttributeError: a C library without fallocate
+        except OSError:  # ENOSYS: a C library without fallocate
             pass
         finally:
             os.close(fd)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import BadInputError, CheckpointError, ConfigError, json_kind
+from . import libc
 from .dtypes import DTYPE_FROM_ST
 from .values import ValueGuard
 from .reading import load_json, open_regular, os_error
@@ -58,11 +59,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 _PAGE = mmap.PAGESIZE
-try:  # madvise through ctypes releases the GIL (mmap.madvise holds it): 16 workers call it per expert
-    _LIBC: Any = ctypes.CDLL(None, use_errno=True)
-    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
-    _LIBC = None
+# madvise through ctypes releases the GIL (mmap.madvise holds it): 16 workers call it per expert
+_MADVISE = libc.function("madvise")
 
 
 class _MappedFile:
@@ -98,8 +96,8 @@ class _MappedFile:
         b = min(len(self.mm), -(-(self.data_start + hi) // _PAGE) * _PAGE)
         if b <= a:
             return
-        if _LIBC is not None:
-            _LIBC.madvise(self.addr + a, b - a, mmap.MADV_DONTNEED)
+        if _MADVISE is not None:
+            _MADVISE(self.addr + a, b - a, mmap.MADV_DONTNEED)
         else:  # pragma: no cover
             self.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 

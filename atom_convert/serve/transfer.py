@@ -33,6 +33,7 @@ not 16-byte aligned is copied into its own allocation (`CPU_VIEW_ALIGN`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..files import safetensors as safetensors_file
+from ..files import libc, safetensors as safetensors_file
 from ..errors import BadInputError, ConvertedCheckError
 from ..inflight import InFlight, join_in_steps
 from . import runtime_calls
@@ -341,26 +342,12 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-_libc: Any = None
 _RESIDENT_BIT = bytes(i & 1 for i in range(256))
 
 
 def _mincore() -> Any:
-    """libc's mincore(2), or None where it cannot be called."""
-    global _libc
-    if _libc is None:
-        try:
-            import ctypes
-            import ctypes.util
-
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = lib.mincore
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _libc = (fn, ctypes)
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc or None
+    """libc's mincore(2) (files/libc.py), or None where it cannot be called."""
+    return libc.function("mincore")
 
 
 class Residency:
@@ -390,7 +377,7 @@ class Residency:
         """All of bytes [off, off + n) in the page cache now (None: unknown)."""
         if self.map is None:
             return None
-        fn, ctypes = _mincore()
+        fn = _mincore()
         first = off // PAGE * PAGE
         span = min(off + n, self.size) - first
         if span <= 0:
