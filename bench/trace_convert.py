@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dst, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     workers = args.workers or workers_mod.usable_cores()
-    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}) shard size {args.shard_size or 'default'}{''.join(' ' + x for x in args.set)}: {end - start:.2f} s, CPU "
+    settings = f"shard size {args.shard_size or 'default'}" + "".join(" " + x for x in args.set)
+    print(f"{args.target} tp={args.tp} workers={workers} ({args.worker_mode}) {settings}: {end - start:.2f} s, CPU "
           f"{c1[0] - c0[0]:.1f} user + {c1[1] - c0[1]:.1f} sys; the machine's cores busy {(m1 - m0) / (end - start):.1f}")
     print("\n".join(summary(tr, start, end)))
     print(f"  waits in {processes} converting process(es): write-behind queue full {sums['queue_s']:.2f} s, turn at a "
@@ -322,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the hand-out order: the item spans list-scheduled on {workers} workers end at {cost['handed_out']:.2f} s "
               f"in that order, {cost['longest_first']:.2f} s longest first, {cost['balanced']:.2f} s balanced")
     if args.json:
-        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers, "shard_size": args.shard_size,
-                                         "set": args.set, "start": start,
+        args.json.write_text(json.dumps({"target": args.target, "tp": args.tp, "workers": workers,
+                                         "shard_size": args.shard_size, "set": args.set, "start": start,
                                          "end": end, "items": tr.items, "hashes": tr.hashes,
                                          "samples": tr.samples, "machine_busy_s": m1 - m0,
                                          "waits": {"processes": processes, **sums}, "order": cost}) + "\n")

@@ -397,7 +397,7 @@ class ShardFile(_ShardIO):
                     if turns:
                         fcntl.fcntl(fd, _OFD_SETLKW, _flock_struct(fcntl.F_UNLCK))
                 off += n
-        except OSError:  # ENOSYS: a C library without fallocate
+        except OSError:  # ENOSPC (a full tmpfs), ENOSYS (no fallocate), a refused lock: the writes go on
             pass
         finally:
             os.close(fd)
