@@ -131,10 +131,10 @@ def _flock_struct(kind: int) -> bytes:
 
 # tmpfs: a thread per shard allocates the file's pages ahead of the writers (fallocate, this many bytes
 # at a time), so that a write holds the file's lock (one write at a time) for its copy alone, not also
-# for the allocation of each new 4 KB page. On the 2-core box a warm tp 8 conversion to /dev/shm took
-# 3.1-3.5 s against 4.7-6.1 s without, with half the system time (BENCHMARKS.md, thirty-second round);
-# not yet measured on 16 cores. 0: off.
-PREALLOCATE = 16 << 20
+# for the allocation of each new 4 KB page. Off (0) until 16 cores measure it: on the 2-core box it was
+# a third faster at tp 8 in one sitting and the same or slower at tp 1 in a later one (BENCHMARKS.md,
+# thirty-second round).
+PREALLOCATE = 0
 
 
 class FaultHook:
