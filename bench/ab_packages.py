@@ -5,7 +5,8 @@ For an A/B of a change on one machine in one run: each conversion runs in a fres
 whose `sys.path` starts with that version's root (a checkout, or `git archive REV atom_convert |
 tar -x -C DIR`), with torch and the engine imported before the clock (torch's import alone takes
 seconds). Reported per conversion: the call's seconds, GB/s of source, and the user and system CPU
-of the process and its worker processes (rusage); at the end, each version's best and median.
+of the process and its worker processes (rusage), and the machine's free memory and page cache just
+before it (`memory_gb`); at the end, each version's best and median.
 
     python bench/ab_packages.py SRC --version old=/tmp/old --version new=. [--set new4=.:atom_convert.engine.workers.ITEMS_PER_WORKER=4]
         [--tp 8] [--target gfx950] [--workers 16] [--rounds 4] [--dst /dev/shm/ab] [--json out.json]
@@ -83,6 +84,18 @@ def parse_version(text: str, with_sets: bool) -> tuple[str, Path, dict[str, Any]
     return label, path, sets
 
 
+def memory_gb() -> dict[str, float]:
+    """The machine's free memory and page cache now (/proc/meminfo, GB; empty where there is none). A
+    box whose hypervisor hands out fresh memory page by page converts into tmpfs at a rate that
+    follows this state (BENCHMARKS.md, thirty-second round), so each run records it."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    kb = {k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in lines) if v.strip()}
+    return {"mem_free_gb": kb.get("MemFree", 0) * 1024 / 1e9, "cached_gb": kb.get("Cached", 0) * 1024 / 1e9}
+
+
 def source_bytes(src: Path) -> int:
     return sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
@@ -126,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(1, a.rounds + 1):
             for label, root, sets in versions:
-                rec = one(root, src, a.dst, opts, sets)
+                mem = memory_gb()
+                rec = {**one(root, src, a.dst, opts, sets), **mem}
                 runs[label].append(rec)
                 t = rec["seconds"]
+                free = f", {mem['mem_free_gb']:.1f} GB free before" if mem else ""
                 print(f"[ab] {label:<10} round {r}: {t:.2f} s, {gb / t:.2f} GB/s of source, CPU user "
-                      f"{rec['user']:.1f} s sys {rec['sys']:.1f} s, cores busy {(rec['user'] + rec['sys']) / t:.1f}",
-                      flush=True)
+                      f"{rec['user']:.1f} s sys {rec['sys']:.1f} s, cores busy {(rec['user'] + rec['sys']) / t:.1f}"
+                      f"{free}", flush=True)
     finally:
         shutil.rmtree(a.dst, ignore_errors=True)
     for label, recs in runs.items():

@@ -309,6 +309,8 @@ def test_ab_packages_runs_each_version_from_its_own_root(tiny_checkpoint: Callab
     assert {k: len(v) for k, v in rec["runs"].items()} == {"old": 2, "new": 2, "one": 2}, text
     same = rec["runs"]["old"] + rec["runs"]["new"]
     assert len({(r["out_bytes"], r["out_files"]) for r in same}) == 1 and same[0]["out_bytes"] > 0
+    # the machine's memory before each run, as /proc/meminfo gives it
+    assert all(0 < r["mem_free_gb"] and 0 <= r["cached_gb"] for r in same)
     # a module constant and a conversion option: the same tensors cut into more files
     assert rec["versions"]["one"]["set"] == {"atom_convert.engine.workers.ITEMS_PER_WORKER": 1,
                                              "options": {"shard_size": "64KB"}}
