@@ -132,8 +132,8 @@ def _flock_struct(kind: int) -> bytes:
 # tmpfs: a thread per shard allocates the file's pages ahead of the writers (fallocate, this many bytes
 # at a time), so that a write holds the file's lock (one write at a time) for its copy alone, not also
 # for the allocation of each new 4 KB page. Off (0) until 16 cores measure it: on the 2-core box it was
-# a third faster at tp 8 in one sitting and the same or slower at tp 1 in a later one (BENCHMARKS.md,
-# thirty-second round).
+# a third faster at tp 8 in one sitting, and in a later one about the same at tp 8 and slower at tp 1
+# (BENCHMARKS.md, thirty-second round).
 PREALLOCATE = 0
 
 
