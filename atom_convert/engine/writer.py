@@ -83,16 +83,21 @@ _BOUNCE_BYTES = 8 << 20  # an aligned copy of a buffer whose memory is not align
 _bounce = threading.local()  # per writing thread: its aligned copy buffer
 
 
+def _reopen(fd: int, flags: int = 0) -> int | None:
+    """A new open file description of the same open file, for writing (with `flags`), or None where it
+    is refused. Through /proc/self/fd: the same inode, never the name again."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC | flags)
+    except OSError:  # no /proc, or a file system that refuses the flags (O_DIRECT)
+        return None
+
+
 def _direct_fd(fd: int, fs_type: int | None) -> int | None:
     """A second descriptor of the same open file, for O_DIRECT writes; None where direct writes are
-    off, on tmpfs (`fs_type`, the file's `_fs_type`), or refused. Reopened through /proc/self/fd: the
-    same inode, never the name again."""
+    off, on tmpfs (`fs_type`, the file's `_fs_type`), or refused."""
     if not DIRECT_MIN_BYTES or not hasattr(os, "O_DIRECT") or fs_type in (None, _TMPFS_MAGIC):
         return None
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:  # no /proc, or a file system without direct I/O
-        return None
+    return _reopen(fd, os.O_DIRECT)
 
 
 def _aligned(mv: memoryview) -> memoryview:
@@ -379,6 +384,14 @@ class ShardFile(_ShardIO):
         finally:
             self.close_fd()
 
+    def start_preallocation(self, step: int) -> None:
+        """Start `preallocate` on a thread, through a file description of its own (so that it takes
+        turns with this process's writers); nothing where one cannot be opened."""
+        fd = _reopen(self.fd)
+        if fd is not None:
+            threading.Thread(target=self.preallocate, args=(fd, step), name=f"atom-convert-alloc-{self.plan.file}",
+                             daemon=True).start()
+
     def preallocate(self, fd: int, step: int) -> None:
         """Allocate the file's pages from its start, `step` bytes at a time, through `fd` (an open
         file description of its own, which this thread closes), until done or the shard is aborted
@@ -538,13 +551,7 @@ class ShardSetWriter:
                 sh.thread = t
                 self._write(sh, _Piece(0, header))
                 if PREALLOCATE > 0 and sh.fs_type == _TMPFS_MAGIC:
-                    try:  # a description of its own (the same inode, never the name again): it takes turns
-                        afd = os.open(f"/proc/self/fd/{sh.fd}", os.O_WRONLY | os.O_CLOEXEC)
-                    except OSError:
-                        afd = None
-                    if afd is not None:
-                        threading.Thread(target=sh.preallocate, args=(afd, PREALLOCATE),
-                                         name=f"atom-convert-alloc-{plan.file}", daemon=True).start()
+                    sh.start_preallocation(PREALLOCATE)
         return sh
 
     def open_shards(self, slot: int, names: Iterable[str]) -> None:
